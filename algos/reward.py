@@ -1,0 +1,275 @@
+"""Reward modeling: a scalar score trained so that preferred completions score higher.
+
+The second stage of the RLHF pipeline (Ziegler et al. 2019; Stiennon et al. 2020, "Learning to
+summarize from human feedback"; Ouyang et al. 2022, InstructGPT). A sequence classifier with one
+output reads prompt + completion and returns r(x, y) at the last token. Under the Bradley-Terry
+model P(y_c > y_r | x) = sigmoid(r(x, y_c) - r(x, y_r)), so the loss is
+
+    -log sigmoid(r_chosen - r_rejected - margin)      (margin: optional per-pair column, Llama 2)
+    + center_rewards_coefficient * mean((r_chosen + r_rejected)^2)   (keeps rewards near 0; Eisenstein et al. 2023)
+
+    python algos/reward.py   # tiny TL;DR preferences from output/sft; saves output/reward
+    accelerate launch algos/reward.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/tldr-preference --output_dir output/pythia-1b-rm --learning_rate 3e-6 ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_completion, encode_prompt, load_split
+from common.generation import pad
+from common.models import load_reward_model, load_tokenizer
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/reward"
+    """where the reward model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model and data
+    model_name_or_path: str = "output/sft"
+    """model to start from, usually the SFT model (a causal LM gets a new scalar head)"""
+    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    """prompt/chosen/rejected data (optional margin column): hub name, local directory or file"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_test_split: str = "validation"
+    """split for eval accuracy ("" to skip evaluation)"""
+    max_length: int = 512
+    """prompt + completion tokens; longer pairs are skipped (a cut completion would be scored wrongly)"""
+
+    # algorithm
+    center_rewards_coefficient: float = 0.0
+    """weight of the mean squared reward, which keeps rewards centered on 0 (0 disables)"""
+
+    # optimization
+    learning_rate: float = 1e-3
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "cosine"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.05
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_train_epochs: float = 1.0
+    """passes over the training split"""
+    max_steps: int = -1
+    """optimizer steps to run; overrides num_train_epochs when > 0"""
+    per_device_train_batch_size: int = 16
+    """preference pairs per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    per_device_eval_batch_size: int = 64
+    """pairs per eval batch per process"""
+
+    # evaluation
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    num_sample_pairs: int = 4
+    """eval pairs printed with their rewards at each evaluation"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the Bradley-Terry loss
+# ---------------------------------------------------------------------------------------------
+def reward_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None,
+                center_rewards_coefficient: float = 0.0) -> torch.Tensor:
+    """Mean over pairs of -log sigmoid(r_c - r_r - margin), plus the optional centering term."""
+    diff = chosen_rewards - rejected_rewards - (margin if margin is not None else 0.0)
+    loss = -F.logsigmoid(diff).mean()
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * ((chosen_rewards + rejected_rewards) ** 2).mean()
+    return loss
+
+
+def tokenize(dataset, tokenizer, max_length: int):
+    """Rows -> (chosen ids, rejected ids, margin); pairs longer than `max_length` are dropped and
+    counted, and so are pairs whose chosen and rejected are the same (they carry no signal)."""
+    examples, skipped = [], 0
+    for row in dataset:
+        prompt_ids = encode_prompt(tokenizer, row["prompt"])
+        chosen = prompt_ids + encode_completion(tokenizer, row["prompt"], row["chosen"])
+        rejected = prompt_ids + encode_completion(tokenizer, row["prompt"], row["rejected"])
+        if max(len(chosen), len(rejected)) > max_length or chosen == rejected:
+            skipped += 1
+            continue
+        examples.append((chosen, rejected, float(row.get("margin") or 0.0)))
+    return examples, skipped
+
+
+def collate(examples, pad_id: int):
+    """Chosen then rejected in one right-padded batch of 2B rows (one forward pass for both); the
+    classifier reads the last non-pad token, which is the EOS."""
+    input_ids, attention_mask = pad([c for c, _, _ in examples] + [r for _, r, _ in examples], pad_id)
+    return input_ids, attention_mask, torch.tensor([m for _, _, m in examples])
+
+
+def rewards_of(model, input_ids, attention_mask):
+    """(chosen rewards, rejected rewards) of a batch from `collate`."""
+    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+    return rewards.chunk(2)
+
+
+@torch.no_grad()
+def evaluate(model, eval_examples, args, tokenizer, accelerator):
+    """Preference accuracy, loss and mean rewards over the eval pairs (all processes)."""
+    model.eval()
+    sums = torch.zeros(5, device=accelerator.device)  # correct, loss, chosen, rejected, count
+    shard = eval_examples[accelerator.process_index::accelerator.num_processes]
+    for i in range(0, len(shard), args.per_device_eval_batch_size):
+        input_ids, attention_mask, margin = (t.to(accelerator.device) for t in collate(
+            shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id))
+        chosen, rejected = rewards_of(model, input_ids, attention_mask)
+        n = len(chosen)
+        sums += torch.stack([(chosen > rejected).float().sum(), reward_loss(chosen, rejected, margin) * n,
+                             chosen.sum(), rejected.sum(), torch.tensor(float(n), device=chosen.device)])
+    model.train()
+    correct, loss, chosen, rejected, count = accelerator.reduce(sums, "sum").tolist()
+    return {"eval_accuracy": correct / count, "eval_loss": loss / count,
+            "eval_rewards/chosen": chosen / count, "eval_rewards/rejected": rejected / count}
+
+
+def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator):
+    """A few eval pairs with the rewards the model gives them."""
+    if not accelerator.is_main_process or args.num_sample_pairs <= 0:
+        return
+    examples = eval_examples[:args.num_sample_pairs]
+    input_ids, attention_mask, _ = (t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
+    with torch.no_grad():
+        chosen, rejected = rewards_of(model, input_ids, attention_mask)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    tracker.log_samples([{"chosen": decode(c), "rejected": decode(r)[-120:], "r_chosen": a, "r_rejected": b}
+                         for (c, r, _), a, b in zip(examples, chosen.tolist(), rejected.tolist())], step)
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    # ---- model and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    formats = {"preference": ["prompt", "chosen", "rejected"]}
+    train_split = load_split(args.dataset_name, args.dataset_train_split)
+    check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")
+    train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
+    if skipped:
+        accelerator.print(f"skipped {skipped} of {len(train_split)} training pairs (longer than "
+                          f"max_length={args.max_length}, or chosen == rejected)")
+    if not train_examples:
+        raise UserError(f"no training pair left: all are longer than max_length={args.max_length} "
+                        "or have chosen == rejected; raise --max_length or check the data")
+    eval_examples = []
+    if args.dataset_test_split:
+        eval_split = load_split(args.dataset_name, args.dataset_test_split)
+        check_columns(eval_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_test_split})")
+        eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
+    steps_per_epoch = len(train_examples) // args.total_batch_size
+    args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
+    if args.num_steps <= 0:
+        raise UserError(
+            f"{len(train_examples)} training pairs make no full batch of {args.total_batch_size} "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
+
+    model = load_reward_model(args.model_name_or_path, tokenizer)
+    if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
+        # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1))
+        torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs")
+
+    def micro_batches():
+        """Endless shuffled micro-batches of this process's share of each global batch."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        per_step = args.per_device_train_batch_size * args.world_size
+        while True:
+            order = list(range(len(train_examples)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_step + 1, per_step):
+                chunk = order[start:start + per_step][accelerator.process_index::args.world_size]
+                yield collate([train_examples[i] for i in chunk], tokenizer.pad_token_id)
+
+    batches = micro_batches()
+    start_time = time.time()
+    for step in range(1, args.num_steps + 1):
+        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
+        # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
+        stats = torch.zeros(4, device=accelerator.device)  # loss, accuracy, chosen, rejected
+        for _ in range(args.gradient_accumulation_steps):
+            input_ids, attention_mask, margin = (t.to(accelerator.device) for t in next(batches))
+            with accelerator.accumulate(model):
+                chosen, rejected = rewards_of(model, input_ids, attention_mask)
+                loss = reward_loss(chosen, rejected, margin, args.center_rewards_coefficient)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats += torch.stack([loss.detach(), (chosen > rejected).float().mean(),
+                                  chosen.detach().mean(), rejected.detach().mean()])
+        scheduler.step()
+        tracker.step()
+
+        # ---- LOG ----
+        loss, accuracy, r_chosen, r_rejected = (accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
+        metrics = {"loss": loss, "accuracy": accuracy, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
+                   "rewards/margins": r_chosen - r_rejected, "grad_norm": float(grad_norm),
+                   "lr": scheduler.get_last_lr()[0], "epoch": step / max(1, steps_per_epoch),
+                   "steps_per_second": step / (time.time() - start_time)}
+        if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
+            metrics.update(evaluate(model, eval_examples, args, tokenizer, accelerator))
+            log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator)
+        tracker.log(metrics, step)
+
+    # ---- SAVE ----
+    if eval_examples:
+        accelerator.print(f"held-out preference accuracy ({args.dataset_test_split}): {metrics['eval_accuracy']:.3f}")
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved reward model and tokenizer to {args.output_dir}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

@@ -1,0 +1,269 @@
+"""Supervised fine-tuning (SFT): maximise the likelihood of reference completions given prompts.
+
+The first stage of the RLHF pipeline (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+Preferences"; Stiennon et al. 2020, "Learning to summarize from human feedback"; Huang et al. 2024,
+"The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization"). The loss is
+the mean negative log-likelihood over completion tokens only: prompt tokens are context, not
+targets, and each completion ends in EOS so that the model learns to stop.
+
+    python algos/sft.py      # tiny TL;DR task on a CPU, a few minutes; saves output/sft
+    accelerate launch algos/sft.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --dataset_name trl-lib/tldr --output_dir output/pythia-1b-sft --learning_rate 3e-6 ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_completion, encode_prompt, load_split
+from common.generation import generate, pad, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/sft"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model and data
+    model_name_or_path: str = "tiny-pythia"
+    """base model: hub name or local directory ("tiny-pythia" builds the tiny task's model)"""
+    dataset_name: str = "tiny-tldr"
+    """prompt/completion or messages data: hub name, local directory or file ("tiny-tldr" builds the tiny task)"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_test_split: str = "validation"
+    """split for eval loss and samples ("" to skip evaluation)"""
+    max_length: int = 512
+    """prompt + completion tokens; longer examples lose the end of their completion"""
+
+    # optimization
+    learning_rate: float = 3e-3
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "cosine"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.05
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_train_epochs: float = 1.0
+    """passes over the training split"""
+    max_steps: int = -1
+    """optimizer steps to run; overrides num_train_epochs when > 0"""
+    per_device_train_batch_size: int = 16
+    """examples per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    per_device_eval_batch_size: int = 64
+    """examples per eval batch per process"""
+
+    # evaluation
+    eval_steps: int = 200
+    """evaluate every this many optimizer steps (and at the end)"""
+    num_sample_generations: int = 4
+    """sample completions printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """examples per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the SFT loss
+# ---------------------------------------------------------------------------------------------
+def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+             num_tokens: float) -> torch.Tensor:
+    """Summed NLL of the tokens where `loss_mask` is 1, divided by `num_tokens`.
+
+    Logits at position t predict token t+1 (hence the shift). `num_tokens` is the number of loss
+    tokens in the whole optimizer step (all micro-batches, all processes) scaled to one micro-batch
+    on one process, so that gradient accumulation and DDP averaging give the true per-token mean
+    instead of a mean of per-micro-batch means (which over-weights short completions)."""
+    logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return -(logprobs * loss_mask[:, 1:]).sum() / num_tokens
+
+
+def tokenize(dataset, tokenizer, max_length: int):
+    """Rows -> (input_ids, number of prompt tokens). Rows whose prompt leaves no room for a single
+    completion token are dropped and counted; longer completions are cut at `max_length`."""
+    examples, skipped = [], 0
+    for row in dataset:
+        prompt, completion = ((row["messages"][:-1], row["messages"][-1:]) if "messages" in row
+                              else (row["prompt"], row["completion"]))
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        if len(prompt_ids) >= max_length:
+            skipped += 1
+            continue
+        ids = prompt_ids + encode_completion(tokenizer, prompt, completion)
+        examples.append((ids[:max_length], len(prompt_ids)))
+    return examples, skipped
+
+
+def collate(examples, pad_id: int):
+    """Right-padded batch; loss_mask is 1 on completion tokens (EOS included), 0 on prompt and pad."""
+    input_ids, attention_mask = pad([ids for ids, _ in examples], pad_id)
+    positions = torch.arange(input_ids.shape[1])[None, :]
+    prompt_lens = torch.tensor([n for _, n in examples])[:, None]
+    return input_ids, attention_mask, (positions >= prompt_lens).long() * attention_mask
+
+
+@torch.no_grad()
+def evaluate(model, eval_examples, args, tokenizer, accelerator):
+    """Mean completion-token NLL over the eval examples (all processes)."""
+    model.eval()
+    nll, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+    shard = eval_examples[accelerator.process_index::accelerator.num_processes]
+    for i in range(0, len(shard), args.per_device_eval_batch_size):
+        input_ids, attention_mask, loss_mask = (t.to(accelerator.device) for t in collate(
+            shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id))
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        nll += sft_loss(logits, input_ids, loss_mask, 1.0)
+        count += loss_mask[:, 1:].sum()
+    model.train()
+    return (accelerator.reduce(nll, "sum") / accelerator.reduce(count, "sum")).item()
+
+
+def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
+    """Greedy completions for the first few eval prompts, beside their references."""
+    if not accelerator.is_main_process or args.num_sample_generations <= 0:
+        return
+    rows = [eval_split[i] for i in range(min(args.num_sample_generations, len(eval_split)))]
+    prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] for r in rows]
+    _, _, completion_ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer,
+                                          [encode_prompt(tokenizer, p) for p in prompts], args.max_new_tokens, 0.0)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    tracker.log_samples([{"prompt": str(p), "completion": c, "reference": str(r.get("completion", r.get("messages", [""])[-1]))}
+                         for p, c, r in zip(prompts, texts, rows)], step)
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    # ---- model and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train_split = load_split(args.dataset_name, args.dataset_train_split)
+    formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
+    check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
+    train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
+    if skipped:
+        accelerator.print(f"skipped {skipped} of {len(train_split)} training rows whose prompt alone "
+                          f"fills max_length={args.max_length}")
+    if not train_examples:
+        raise UserError(f"every training prompt is >= max_length={args.max_length} tokens; raise --max_length")
+    eval_examples = []
+    if args.dataset_test_split:
+        eval_split = load_split(args.dataset_name, args.dataset_test_split)
+        check_columns(eval_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_test_split})")
+        eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
+    steps_per_epoch = len(train_examples) // args.total_batch_size
+    args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
+    if args.num_steps <= 0:
+        raise UserError(
+            f"{len(train_examples)} training examples make no full batch of {args.total_batch_size} "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
+
+    model = load_policy(args.model_name_or_path, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(train_examples)} training examples, {args.num_steps} steps of "
+                      f"{args.total_batch_size} examples, {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    def micro_batches():
+        """Endless shuffled micro-batches of this process's share of each global batch."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        per_rank, rank = args.per_device_train_batch_size, accelerator.process_index
+        while True:
+            order = list(range(len(train_examples)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - args.total_batch_size + 1, args.total_batch_size):
+                batch = order[start:start + args.total_batch_size]
+                for m in range(args.gradient_accumulation_steps):
+                    chunk = batch[m * per_rank * args.world_size:(m + 1) * per_rank * args.world_size]
+                    yield collate([train_examples[i] for i in chunk[rank::args.world_size]], tokenizer.pad_token_id)
+
+    batches = micro_batches()
+    start_time = time.time()
+    for step in range(1, args.num_steps + 1):
+        # ---- TRAIN: one optimizer step over gradient_accumulation_steps micro-batches ----
+        micro = [tuple(t.to(accelerator.device) for t in next(batches)) for _ in range(args.gradient_accumulation_steps)]
+        local_tokens = sum(loss_mask[:, 1:].sum() for _, _, loss_mask in micro)
+        global_tokens = accelerator.reduce(local_tokens.float(), "sum")
+        # backward() divides by gradient_accumulation_steps and DDP averages over processes: undo both
+        num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)
+        total_loss = torch.zeros((), device=accelerator.device)
+        for input_ids, attention_mask, loss_mask in micro:
+            with accelerator.accumulate(model):
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                loss = sft_loss(logits, input_ids, loss_mask, num_tokens)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            total_loss += loss.detach()
+        scheduler.step()
+        tracker.step()
+
+        # ---- LOG ----
+        metrics = {"loss": accelerator.reduce(total_loss, "mean").item() / args.gradient_accumulation_steps,
+                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                   "num_tokens": global_tokens.item(), "epoch": step / max(1, steps_per_epoch),
+                   "steps_per_second": step / (time.time() - start_time)}
+        if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
+            metrics["eval_loss"] = evaluate(model, eval_examples, args, tokenizer, accelerator)
+            log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator)
+        tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

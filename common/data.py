@@ -1,0 +1,106 @@
+"""Datasets in the trl-lib formats: loading, validation, chat templates, prompt/completion tokens.
+
+Accepted formats (each either *standard*, fields are strings, or *conversational*, fields are
+lists of {"role", "content"} messages rendered with the tokenizer's chat template):
+  prompt-completion  prompt, completion              (SFT; e.g. trl-lib/tldr)
+  messages           messages                        (SFT; the last message is the completion)
+  preference         prompt, chosen, rejected        (reward, DPO; e.g. trl-lib/tldr-preference)
+  unpaired           prompt, completion, label       (KTO)
+  prompt-only        prompt                          (online RL)
+"""
+
+import os
+
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+from common.models import resolve
+from common.runtime import UserError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_split(name: str, split: str) -> Dataset:
+    """One split of a hub dataset, a local dataset directory (`save_to_disk` output or a folder of
+    data files named by split) or a single local .json/.jsonl/.parquet/.csv file (split "train")."""
+    path = resolve(name)
+    try:
+        if os.path.isfile(path):
+            builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
+            if builder is None:
+                raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
+            splits = load_dataset(builder, data_files={"train": path})
+        elif os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                         for f in ("dataset_dict.json", "dataset_info.json")):
+            splits = load_from_disk(path)
+        else:
+            splits = load_dataset(path)
+    except UserError:
+        raise
+    except Exception as e:  # the hub, the file system and the parsers all raise their own types
+        raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        "pass a hub dataset name, a local dataset directory, or a "
+                        ".json/.jsonl/.parquet/.csv file") from None
+    if isinstance(splits, Dataset):
+        splits = DatasetDict({"train": splits})
+    if split not in splits:
+        raise UserError(f"dataset '{name}' has no split '{split}' (it has: {', '.join(splits)}); "
+                        "choose one with the *_split flags")
+    if len(splits[split]) == 0:
+        raise UserError(f"split '{split}' of dataset '{name}' is empty")
+    return splits[split]
+
+
+def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -> str:
+    """Name of the first format whose columns the dataset has; else one error listing them all."""
+    for fmt, columns in formats.items():
+        if all(c in dataset.column_names for c in columns):
+            return fmt
+    accepted = "; ".join(f"{fmt} ({', '.join(cols)})" for fmt, cols in formats.items())
+    raise UserError(f"{where} has columns [{', '.join(dataset.column_names)}], which fit no accepted "
+                    f"format: {accepted}")
+
+
+def is_conversational(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict)
+
+
+def _check_chat_template(tokenizer):
+    if not tokenizer.chat_template:
+        raise UserError("the dataset is conversational (lists of messages) but the tokenizer has no "
+                        "chat template; use a tokenizer with one, or standard (string) data")
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """The prompt as text: a string as is, or messages through the chat template, ready for the
+    assistant's turn."""
+    if not is_conversational(prompt):
+        return prompt
+    _check_chat_template(tokenizer)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def completion_text(tokenizer, prompt, completion) -> str:
+    """The completion as text; for messages, what the chat template adds after the prompt."""
+    if not is_conversational(completion):
+        return completion
+    _check_chat_template(tokenizer)
+    before = prompt_text(tokenizer, prompt)
+    full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+    if not full.startswith(before):
+        raise UserError("the chat template renders the prompt differently with and without the "
+                        "completion; the completion tokens cannot be separated from the prompt")
+    return full[len(before):].rstrip()  # the template's trailing newline would follow the EOS
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Prompt ids. Special tokens (e.g. BOS) are added for plain text only: a chat template already
+    writes them, and adding them again doubles the BOS."""
+    return tokenizer(prompt_text(tokenizer, prompt),
+                     add_special_tokens=not is_conversational(prompt)).input_ids
+
+
+def encode_completion(tokenizer, prompt, completion) -> list[int]:
+    """Completion ids ending in exactly one EOS, and never a BOS (which a second call to the
+    tokenizer would add for Llama-style tokenizers)."""
+    ids = tokenizer(completion_text(tokenizer, prompt, completion), add_special_tokens=False).input_ids
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]

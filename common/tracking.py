@@ -1,0 +1,66 @@
+"""Metrics to stdout, to a JSONL file in the output dir (always) and to wandb (`--track`), plus a
+progress bar and tables of sample completions. Everything happens on the main process only."""
+
+import dataclasses
+import json
+import os
+import time
+
+from tqdm.auto import tqdm
+
+
+class Tracker:
+    def __init__(self, args, accelerator, total_steps: int):
+        self.main = accelerator.is_main_process
+        self.every = max(1, args.logging_steps)
+        self.start = time.time()
+        self.bar = tqdm(total=total_steps, disable=not self.main, dynamic_ncols=True)
+        self.wandb = None
+        if not self.main:
+            return
+        # one file per run: a new run never overwrites the logs of an earlier one
+        self.path = os.path.join(args.output_dir, "logs", f"{args.run_name}.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        config = dataclasses.asdict(args)
+        with open(os.path.join(os.path.dirname(self.path), f"{args.run_name}.args.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                    name=args.run_name, config=config, dir=args.output_dir)
+
+    def log(self, metrics: dict, step: int):
+        """Record `metrics` (floats) at optimizer step `step`; printed every `logging_steps`."""
+        if not self.main:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "time": round(time.time() - self.start, 3), **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if step % self.every == 0 or step == self.bar.total:
+            self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+    def log_samples(self, rows: list[dict], step: int, title: str = "samples"):
+        """Print a table of sample completions (dicts with the same keys) and send it to wandb."""
+        if not self.main or not rows:
+            return
+        self.bar.write(f"--- {title} at step {step} ---")
+        for i, row in enumerate(rows):
+            for key, value in row.items():
+                text = f"{value:.3f}" if isinstance(value, float) else str(value).replace("\n", " ")
+                self.bar.write(f"[{i}] {key:>10}: {text[-300:] if key == 'prompt' else text}")
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({title: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                           step=step)
+
+    def step(self, n: int = 1):
+        self.bar.update(n)
+
+    def close(self):
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,64 @@
+"""Shared fixtures: the tiny task built once per session, scripts run as subprocesses, offline."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+                  TOKENIZERS_PARALLELISM="false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory):
+    """Build the tiny task (data, tokenizer, base model) into a fresh cache for this session."""
+    os.environ["TINY_TLDR_CACHE"] = str(tmp_path_factory.mktemp("tiny_tldr_cache"))
+    from benchmarks import tiny_tldr
+
+    tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+    return os.environ["TINY_TLDR_CACHE"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cache):
+    from benchmarks import tiny_tldr
+
+    return tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+
+
+@pytest.fixture()
+def tokenizer(tiny_model):
+    from common.models import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+def run_script(*argv, launcher=None, check=True, timeout=600):
+    """Run `python <argv>` (or `<launcher> <argv>`) from the repo root; returns CompletedProcess."""
+    cmd = (launcher or [sys.executable]) + list(argv)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory, tiny_model):
+    """A tiny SFT model trained for a few steps (shared by tests that need a starting checkpoint)."""
+    out = tmp_path_factory.mktemp("sft")
+    run_script("algos/sft.py", "--max_steps", "4", "--per_device_train_batch_size", "8",
+               "--eval_steps", "4", "--num_sample_generations", "1", "--max_new_tokens", "8",
+               "--gold_eval_split", "", "--output_dir", str(out))
+    return str(out)

@@ -1,0 +1,98 @@
+"""Dataset loading and validation, chat templates, and prompt/completion tokenization."""
+
+import json
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+from common.data import (check_columns, completion_text, encode_completion, encode_prompt, load_split,
+                         prompt_text)
+from common.runtime import UserError
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_load_jsonl_file_and_directory_and_save_to_disk(tmp_path):
+    rows = [{"prompt": "a", "completion": " b"}, {"prompt": "c", "completion": " d"}]
+    assert load_split(write_jsonl(tmp_path / "one.jsonl", rows), "train")["prompt"] == ["a", "c"]
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "train.jsonl", rows)
+    write_jsonl(tmp_path / "dir" / "test.jsonl", rows[:1])
+    assert len(load_split(str(tmp_path / "dir"), "test")) == 1
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    assert len(load_split(str(tmp_path / "saved"), "train")) == 2
+
+
+def test_tiny_names_resolve_to_built_data(tiny_cache):
+    split = load_split("tiny-tldr-preference", "validation")
+    assert split.column_names == ["prompt", "chosen", "rejected"]
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: str(p / "missing.jsonl"), "could not load dataset"),
+    (lambda p: write_jsonl(p / "x.txt", [{"a": 1}]), "is not one of"),
+])
+def test_bad_paths_are_one_clear_error(tmp_path, make, message):
+    with pytest.raises(UserError, match=message):
+        load_split(make(tmp_path), "train")
+
+
+def test_missing_split_names_the_available_ones(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(UserError, match=r"no split 'validation' \(it has: train\)"):
+        load_split(path, "validation")
+
+
+def test_empty_split_is_an_error(tmp_path):
+    Dataset.from_dict({"prompt": [], "completion": []}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="is empty"):
+        load_split(str(tmp_path / "empty"), "train")
+
+
+def test_check_columns_picks_a_format_or_lists_them():
+    formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
+    assert check_columns(Dataset.from_dict({"messages": [[]]}), formats, "d") == "messages"
+    with pytest.raises(UserError) as e:
+        check_columns(Dataset.from_dict({"prompt": ["x"], "answer": ["y"]}), formats, "dataset 'd'")
+    assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion)" in str(e.value)
+
+
+def test_completion_ends_in_exactly_one_eos(tokenizer):
+    ids = encode_completion(tokenizer, "p", " my boss ate my cake.")
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in ids[:-1]
+    again = encode_completion(tokenizer, "p", " my boss ate my cake.<|endoftext|>")
+    assert again == ids
+
+
+def test_bos_is_not_doubled(tokenizer):
+    """A Llama-style tokenizer adds BOS to every call: the prompt gets one, the completion none."""
+    from tokenizers import processors
+
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
+    prompt, completion = encode_prompt(tokenizer, "TITLE: x"), encode_completion(tokenizer, "TITLE: x", " y")
+    assert prompt[0] == bos and (prompt + completion).count(bos) == 1 + completion.count(bos) and bos not in completion[:-1]
+    # a chat template writes its own BOS: tokenizing the rendered text must not add a second one
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+    assert ids[0] == bos and ids[1] != bos
+
+
+def test_conversational_rows_go_through_the_chat_template(tokenizer):
+    prompt = [{"role": "user", "content": "summarize"}]
+    completion = [{"role": "assistant", "content": "short"}]
+    with pytest.raises(UserError, match="no chat template"):
+        prompt_text(tokenizer, prompt)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    eos = tokenizer.eos_token
+    assert prompt_text(tokenizer, prompt) == f"{eos}<user>summarize{eos}\n<assistant>"
+    assert completion_text(tokenizer, prompt, completion) == f"short{eos}"
+    ids = encode_completion(tokenizer, prompt, completion)
+    assert tokenizer.decode(ids) == f"short{eos}"  # the turn's end is the EOS, written once

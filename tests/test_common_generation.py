@@ -1,0 +1,85 @@
+"""Padding, stop-token truncation, generation and logprob gathering."""
+
+import torch
+
+from common.generation import completion_logprobs, generate, pad, token_logprobs, truncate_at_stop
+from common.models import load_policy
+
+
+def test_pad_left_and_right():
+    ids, mask = pad([[5, 6, 7], [8]], pad_id=0, side="left")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, mask = pad([[5, 6, 7], [8]], pad_id=0, side="right")
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_truncate_at_first_stop_token():
+    ids = torch.tensor([[4, 2, 5, 2, 6],    # stops at index 1; the later 2 is dropped
+                        [4, 5, 6, 7, 8],    # never stops
+                        [2, 9, 9, 9, 9]])   # stops at once
+    out, mask, finished = truncate_at_stop(ids, stop_id=2, pad_id=0)
+    assert out.tolist() == [[4, 2, 0, 0, 0], [4, 5, 6, 7, 8], [2, 0, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert finished.tolist() == [True, False, True]
+
+
+def test_token_logprobs_match_softmax_with_temperature():
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 0]])
+    # hand-computed: softmax([0.5, 1, 1.5])[2] and 1/3
+    z = torch.exp(torch.tensor([0.5, 1.0, 1.5]))
+    expected = torch.log(torch.tensor([[z[2] / z.sum(), 1 / 3]]))
+    assert torch.allclose(token_logprobs(logits, labels, temperature=2.0), expected, atol=1e-6)
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose next-token distribution depends only on the current token: row t of `table`."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return type("Out", (), {"logits": self.table[input_ids]})
+
+
+def test_completion_logprobs_known_values_and_prompt_excluded():
+    table = torch.log(torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25], [0.6, 0.3, 0.1]]))
+    model = FixedLogits(table)
+    input_ids = torch.tensor([[0, 1, 2, 2]])  # prompt = [0, 1], completion = [2, 2]
+    attention_mask = torch.ones_like(input_ids)
+    completion_mask = torch.tensor([[0, 0, 1, 1]])
+    out = completion_logprobs(model, input_ids, attention_mask, completion_mask)
+    # p(2 | 1) = 0.25, p(2 | 2) = 0.1; the prompt token 1 (p(1 | 0) = 0.2) must not count
+    assert torch.allclose(out, torch.log(torch.tensor([[1.0, 0.25, 0.1]])) * torch.tensor([[0, 1, 1]]))
+
+
+def test_left_and_right_padding_give_the_same_logprobs(tiny_model, tokenizer):
+    torch.manual_seed(0)
+    model = load_policy(tiny_model, tokenizer).eval()
+    seqs, prompt_lens = [[10, 11, 12, 13, 14], [20, 21, 22]], [3, 2]
+    results = []
+    for side in ("left", "right"):
+        ids, mask = pad(seqs, tokenizer.pad_token_id, side)
+        positions = torch.arange(ids.shape[1])[None, :]
+        start = (ids.shape[1] - mask.sum(1)) if side == "left" else torch.zeros(2, dtype=torch.long)
+        completion_mask = ((positions >= (start + torch.tensor(prompt_lens))[:, None]) & (mask == 1)).long()
+        logps = completion_logprobs(model, ids, mask, completion_mask)
+        results.append(logps.sum(1))
+    assert torch.allclose(results[0], results[1], atol=1e-5)
+
+
+def test_generate_returns_masked_completions(tiny_model, tokenizer):
+    torch.manual_seed(0)
+    model = load_policy(tiny_model, tokenizer)
+    prompts = [tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids]
+    prompt_ids, prompt_mask, ids, mask, finished = generate(model, tokenizer, prompts, max_new_tokens=6,
+                                                            temperature=1.0, batch_size=1)
+    assert prompt_ids.shape[0] == 2 and prompt_mask[0, 0] == 0  # left-padded
+    assert ids.shape == (2, 6) and mask.shape == (2, 6)
+    assert (ids[mask == 0] == tokenizer.pad_token_id).all()
+    for row, m, f in zip(ids, mask, finished):
+        kept = row[m.bool()].tolist()
+        assert (tokenizer.eos_token_id in kept) == bool(f)
+        if f:
+            assert kept.index(tokenizer.eos_token_id) == len(kept) - 1

@@ -1,0 +1,119 @@
+"""algos/sft.py: the loss against an independent computation, prompt masking, gradient
+accumulation, end-to-end runs (1 and 2 processes) and bad input."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from algos.sft import collate, sft_loss, tokenize
+from tests.conftest import run_script
+
+SMALL = ["--per_device_train_batch_size", "4", "--eval_steps", "100", "--num_sample_generations", "1",
+         "--max_new_tokens", "8", "--gold_eval_split", ""]
+
+
+def test_sft_loss_equals_cross_entropy_on_completion_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    input_ids = torch.tensor([[1, 2, 3, 4, 0], [1, 5, 6, 0, 0]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0]])  # completions: [3, 4] and [5, 6]
+    # independent: F.cross_entropy with ignore_index on the shifted labels
+    labels = input_ids.masked_fill(loss_mask == 0, -100)[:, 1:]
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels.reshape(-1), ignore_index=-100)
+    assert torch.allclose(sft_loss(logits, input_ids, loss_mask, num_tokens=4.0), expected, atol=1e-6)
+
+
+def test_prompt_tokens_contribute_exactly_zero():
+    torch.manual_seed(0)
+    input_ids = torch.tensor([[1, 2, 3, 4, 5]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1]])  # prompt = first 3 tokens
+    logits = torch.randn(1, 5, 7, requires_grad=True)
+    sft_loss(logits, input_ids, loss_mask, num_tokens=2.0).backward()
+    # logits at positions 0 and 1 predict prompt tokens 2 and 3: no gradient at all
+    assert logits.grad[0, :2].abs().sum() == 0
+    assert logits.grad[0, 2:4].abs().sum() > 0
+    assert logits.grad[0, 4].abs().sum() == 0  # the last position predicts nothing
+
+
+def test_collate_masks_prompt_and_padding_but_keeps_eos(tokenizer):
+    rows = [{"prompt": "TITLE: a\n\nTL;DR:", "completion": " my boss"},
+            {"prompt": "TITLE: a longer title here\n\nTL;DR:", "completion": " x"}]
+    examples, skipped = tokenize(rows, tokenizer, max_length=64)
+    assert skipped == 0
+    input_ids, attention_mask, loss_mask = collate(examples, tokenizer.pad_token_id)
+    for row, (ids, n_prompt) in enumerate(examples):
+        assert loss_mask[row, :n_prompt].sum() == 0
+        assert loss_mask[row, n_prompt:len(ids)].all()
+        assert input_ids[row, len(ids) - 1] == tokenizer.eos_token_id  # EOS is a target
+        assert loss_mask[row, len(ids):].sum() == 0 and attention_mask[row, len(ids):].sum() == 0
+
+
+def test_too_long_prompts_are_skipped_and_long_completions_cut(tokenizer):
+    rows = [{"prompt": "word " * 50, "completion": " x"}, {"prompt": "TITLE:", "completion": " y" * 50}]
+    examples, skipped = tokenize(rows, tokenizer, max_length=20)
+    assert skipped == 1 and len(examples) == 1 and len(examples[0][0]) == 20
+
+
+def read_log(output_dir):
+    logs = os.path.join(output_dir, "logs")
+    (name,) = [f for f in os.listdir(logs) if f.endswith(".jsonl")]
+    with open(os.path.join(logs, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sft_end_to_end_saves_a_loadable_model(tmp_path):
+    out = str(tmp_path / "sft")
+    proc = run_script("algos/sft.py", "--max_steps", "3", *SMALL, "--output_dir", out)
+    assert "completion" in proc.stdout + proc.stderr  # the samples table
+    log = read_log(out)
+    assert [r["step"] for r in log] == [1, 2, 3] and "eval_loss" in log[-1]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    assert not any(name.startswith(".saving") for name in os.listdir(out))
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """4 x 2 micro-batches and 8 x 1 see the same 8 examples: same loss, same weights after."""
+    runs = {}
+    for name, bs, ga in (("big", "8", "1"), ("acc", "4", "2")):
+        out = str(tmp_path / name)
+        run_script("algos/sft.py", "--max_steps", "2", *SMALL, "--per_device_train_batch_size", bs,
+                   "--gradient_accumulation_steps", ga, "--dataset_test_split", "", "--output_dir", out)
+        runs[name] = (read_log(out), AutoModelForCausalLM.from_pretrained(out).state_dict())
+    (log_a, w_a), (log_b, w_b) = runs["big"], runs["acc"]
+    for a, b in zip(log_a, log_b):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    assert all(torch.allclose(w_a[k], w_b[k], atol=1e-5) for k in w_a)
+
+
+def test_two_process_gloo_run_matches_one_process(tmp_path):
+    """ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2: each rank takes 4
+    of the same 8 examples, so the losses equal the 1-process run with batch 8."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    try:
+        run_script("algos/sft.py", "--max_steps", "2", *SMALL, "--per_device_train_batch_size", "4",
+                   "--output_dir", str(tmp_path / "ddp"), launcher=launcher)
+    finally:
+        del os.environ["ACCELERATE_USE_CPU"]
+    run_script("algos/sft.py", "--max_steps", "2", *SMALL, "--per_device_train_batch_size", "8",
+               "--output_dir", str(tmp_path / "single"))
+    ddp, single = read_log(str(tmp_path / "ddp")), read_log(str(tmp_path / "single"))
+    assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in single], rel=1e-4)
+    assert ddp[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=1e-4)
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "ddp"))
+
+
+def test_help_documents_every_option():
+    proc = run_script("algos/sft.py", "--help")
+    for flag in ("--model-name-or-path", "--dataset-name", "--max-length", "--learning-rate", "--track"):
+        assert flag in proc.stdout.replace("_", "-")
+    assert "completion tokens" in proc.stdout  # a docstring made it into the help
