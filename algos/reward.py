@@ -78,7 +78,7 @@ class Args:
     """share of the steps spent warming the learning rate up"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 2.0
     """passes over the training split"""
     max_steps: int = -1
     """optimizer steps to run; overrides num_train_epochs when > 0"""
@@ -90,7 +90,7 @@ class Args:
     """pairs per eval batch per process"""
 
     # evaluation
-    eval_steps: int = 100
+    eval_steps: int = 150
     """evaluate every this many optimizer steps (and at the end)"""
     num_sample_pairs: int = 4
     """eval pairs printed with their rewards at each evaluation"""

@@ -71,7 +71,7 @@ class Args:
     """share of the steps spent warming the learning rate up"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 2.0
     """passes over the training split"""
     max_steps: int = -1
     """optimizer steps to run; overrides num_train_epochs when > 0"""
@@ -83,7 +83,7 @@ class Args:
     """examples per eval batch per process"""
 
     # evaluation
-    eval_steps: int = 200
+    eval_steps: int = 250
     """evaluate every this many optimizer steps (and at the end)"""
     num_sample_generations: int = 4
     """sample completions printed at each evaluation"""

@@ -73,7 +73,7 @@ def main(args: Args):
     ]
     header = (f"Tiny TL;DR, produced {datetime.date.today()} by `python benchmarks/run_tiny_tldr.py` "
               f"(seed {args.seed}) on {os.cpu_count()} CPU cores ({platform.machine()}). Win rate: share "
-              "of the 256 test prompts where the gold judge prefers the greedy summary to the reference "
+              f"of the {tiny_tldr.SPLIT_SIZES['test']} test prompts where the gold judge prefers the greedy summary to the reference "
               "(ties 0.5), ± half a 95% interval.\n\n")
     table = header + "\n".join(rows) + "\n"
     print("\n" + table)

@@ -28,7 +28,7 @@ import tempfile
 TINY_MODEL = "tiny-pythia"
 TINY_SFT_DATA = "tiny-tldr"
 TINY_PREFERENCE_DATA = "tiny-tldr-preference"
-SPLIT_SIZES = {"train": 6000, "validation": 512, "test": 512}
+SPLIT_SIZES = {"train": 4000, "validation": 512, "test": 512}
 DATA_SEED = 1234
 
 # ---------------------------------------------------------------------------------------------
@@ -51,14 +51,15 @@ FILLERS = ["this is not the first time it happened.", "we used to get along real
            "it has been on my mind all day.", "any advice would help.",
            "i brought it up once.", "thanks for reading."]
 
-# Reference summaries: (weight, template). Only one template in five states all four facts, so a
-# policy that learns to always do so beats the references: there is headroom above them.
+# Reference summaries: (weight, template). Only the first style states all four facts, so a policy
+# that always does so beats most references: there is headroom above them. The most common opening
+# ("my ...") leads to three facts, so greedy imitation of the references lands below them.
 REFERENCE_TEMPLATES = [
-    (0.30, "my {who} {action}, {ask}?"),
-    (0.25, "my {who} {action} and i feel {feeling}."),
-    (0.20, "my {who} {action}. i feel {feeling}, {ask}?"),
-    (0.15, "i feel {feeling} because my {who} {action}."),
-    (0.10, "{action} and i am {feeling}. {ask}?"),
+    (0.40, "i feel {feeling} because my {who} {action}, {ask}?"),
+    (0.30, "my {who} {action}, i am {feeling}."),
+    (0.20, "my {who} {action}, {ask}?"),
+    (0.05, "my {who} {action}."),
+    (0.05, "{action} and i am {feeling}. {ask}?"),
 ]
 # Words a summary may use without finding them in the post (glue around the facts).
 GLUE_WORDS = set("my i and the a feel am so because but after about it them they is".split()) | {",", ".", "?"}
@@ -72,17 +73,12 @@ def make_post(rng: random.Random) -> dict:
     """One synthetic post: its four facts and the prompt text in the trl-lib/tldr format."""
     facts = {"who": rng.choice(WHO), "action": rng.choice(ACTIONS), "feeling": rng.choice(FEELINGS),
              "ask": rng.choice(ASKS)}
-    other = rng.choice([w for w in WHO if w != facts["who"]])
     sentences = [
         f"last week my {facts['who']} {facts['action']}.",
         rng.choice([f"i feel {facts['feeling']} about it.", f"honestly i am so {facts['feeling']}."]),
     ]
-    sentences.append(rng.choice(FILLERS))
-    if rng.random() < 0.5:  # a distractor: another person who is not the subject of the post
-        sentences.append(f"my {other} thinks i should just forget it.")
-    head, tail = sentences[:1], sentences[1:]
-    rng.shuffle(tail)
-    body = " ".join(head + tail + [f"{facts['ask']}?"])
+    sentences.insert(rng.randint(0, 2), rng.choice(FILLERS))
+    body = " ".join(sentences + [f"{facts['ask']}?"])
     title = rng.choice([f"my {facts['who']} {facts['action']}", f"{facts['ask']}?",
                         f"need advice about my {facts['who']}"])
     subreddit = SUBREDDITS.get(facts["who"], rng.choice(["relationships", "offmychest", "advice"]))
@@ -107,7 +103,7 @@ def candidate_summary(facts: dict, rng: random.Random) -> str:
     """A summary from a varied 'policy' for preference pairs: a template, then random flaws."""
     facts = dict(facts)
     for slot, values in _slots().items():
-        if rng.random() < 0.05:
+        if rng.random() < 0.03:
             facts[slot] = rng.choice(values)  # a wrong fact
     text = _fill(rng.choice([t for _, t in REFERENCE_TEMPLATES]), facts)
     if rng.random() < 0.1:
@@ -143,7 +139,8 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
 
     +1 per key fact stated; -1 per wrong fact (a person, action, feeling or question of the world
     that is not this post's); -0.5 per word absent from the post; -0.5 per repeated word pair;
-    -0.02 per word (brevity) and -0.3 per word beyond 20; -3 when the summary never stopped (no EOS).
+    -0.3 per word beyond 20; -3 when the summary never stopped (no EOS). Summaries stating the same
+    facts cleanly tie.
     """
     facts = post_facts(prompt)
     text = " ".join(_words(summary))
@@ -160,7 +157,7 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
     bigrams = [b for b in zip(words, words[1:]) if b[0] not in ",.?" and b[1] not in ",.?"]
     score -= 0.5 * min(4, len(bigrams) - len(set(bigrams)))
     n_words = sum(w.isalpha() for w in words)
-    score -= 0.02 * n_words + 0.3 * max(0, n_words - 20)
+    score -= 0.3 * max(0, n_words - 20)
     if not finished:
         score -= 3.0
     return score
@@ -206,7 +203,7 @@ def build_datasets(out_dir: str, seed: int = DATA_SEED) -> None:
 
 
 def build_tiny_model(out_dir: str, data_dir: str, vocab_size: int = 1024, seed: int = 0) -> None:
-    """A randomly initialised ~1.6M-parameter GPT-NeoX (Pythia's architecture) and a byte-level BPE
+    """A randomly initialised ~1M-parameter GPT-NeoX (Pythia's architecture) and a byte-level BPE
     tokenizer trained on the task's training text, with Pythia's special tokens: EOS/BOS
     `<|endoftext|>` and a distinct pad token `<|padding|>`."""
     import torch

@@ -37,6 +37,8 @@ def load_split(name: str, split: str) -> Dataset:
     except UserError:
         raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types
+        if "corresponds to no data" in str(e):  # how `datasets` reports an empty data file
+            raise UserError(f"dataset '{name}' has an empty split ({str(e).splitlines()[0]})") from None
         raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
                         "pass a hub dataset name, a local dataset directory, or a "
                         ".json/.jsonl/.parquet/.csv file") from None

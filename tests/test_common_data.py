@@ -50,9 +50,13 @@ def test_missing_split_names_the_available_ones(tmp_path):
 
 
 def test_empty_split_is_an_error(tmp_path):
-    Dataset.from_dict({"prompt": [], "completion": []}).save_to_disk(str(tmp_path / "empty"))
-    with pytest.raises(UserError, match="is empty"):
-        load_split(str(tmp_path / "empty"), "train")
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "completion": "b"}])
+    write_jsonl(tmp_path / "validation.jsonl", [])
+    with pytest.raises(UserError, match="empty split"):
+        load_split(str(tmp_path), "validation")
+    Dataset.from_dict({"prompt": ["a"]}).filter(lambda r: False).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(UserError, match="split 'train' of dataset .* is empty"):
+        load_split(str(tmp_path / "saved"), "train")
 
 
 def test_check_columns_picks_a_format_or_lists_them():

@@ -8,9 +8,8 @@ import pytest
 
 from benchmarks import tiny_tldr
 
-PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my boss ate my cake\n\nPOST: my boss and i have known each other "
-          "for two years. last week my boss ate my cake. i feel angry about it. my mom thinks i should "
-          "just forget it. should i move on?\n\nTL;DR:")
+PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my boss ate my cake\n\nPOST: last week my boss ate my cake. "
+          "i feel angry about it. my mom thinks i should just forget it. should i move on?\n\nTL;DR:")
 
 
 def test_post_facts_are_recovered_from_text():
@@ -26,14 +25,16 @@ def test_generated_posts_parse_back_to_their_facts():
 
 
 @pytest.mark.parametrize("summary,expected", [
-    # 4 facts, 12 words (punctuation is not counted): 4 - 0.02 * 12
-    (" my boss ate my cake. i feel angry, should i move on?", 4 - 0.02 * 12),
-    # 2 facts, 5 words
-    (" my boss ate my cake.", 2 - 0.02 * 5),
-    # the distractor (mom) is a wrong fact: +2 (action, feeling) - 1
-    (" my mom ate my cake and i feel angry.", 2 - 1 - 0.02 * 9),
-    # 'purple' is in neither the post nor the glue words: -0.5
-    (" my purple boss ate my cake.", 2 - 0.5 - 0.02 * 6),
+    (" my boss ate my cake. i feel angry, should i move on?", 4),
+    (" my boss ate my cake.", 2),
+    # mom is in the post but is not who ate the cake: a wrong fact, +2 (action, feeling) - 1
+    (" my mom ate my cake and i feel angry.", 2 - 1),
+    # 'purple' is in neither the post nor the glue words
+    (" my purple boss ate my cake.", 2 - 0.5),
+    # 3 facts; 22 words: 2 beyond 20; 8 repeated word pairs ("my boss" twice again, "boss ate"
+    # twice again, "ate my", "my cake", "cake and", "and my" once again each), counted at most 4
+    (" my boss ate my cake and my boss ate my cake and my boss ate it so i feel angry about it",
+     3 - 0.5 * 4 - 0.3 * 2),
 ])
 def test_gold_score_hand_computed(summary, expected):
     assert tiny_tldr.gold_score(PROMPT, summary) == pytest.approx(expected)
@@ -90,5 +91,5 @@ def test_tiny_model_loads_with_auto_classes(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert model.config.model_type == "gpt_neox"
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
-    assert 1_000 <= len(tokenizer) <= 4_096
+    assert 300 <= len(tokenizer) <= 4_096  # BPE runs out of merges at ~640 on this small-vocabulary text
     assert 500_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
