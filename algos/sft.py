@@ -165,8 +165,12 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
     _, _, completion_ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer,
                                           [encode_prompt(tokenizer, p) for p in prompts], args.max_new_tokens, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    tracker.log_samples([{"prompt": str(p), "completion": c, "reference": str(r.get("completion", r.get("messages", [""])[-1]))}
-                         for p, c, r in zip(prompts, texts, rows)], step)
+    samples = [{"prompt": str(p), "completion": c, "reference": str(r.get("completion", r.get("messages", [""])[-1]))}
+               for p, c, r in zip(prompts, texts, rows)]
+    if args.dataset_name == tiny_tldr.TINY_SFT_DATA:  # the tiny task can score its samples
+        for sample in samples:
+            sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
+    tracker.log_samples(samples, step)
 
 
 def main(args: Args):

@@ -69,7 +69,7 @@ def read_log(output_dir):
 def test_sft_end_to_end_saves_a_loadable_model(tmp_path):
     out = str(tmp_path / "sft")
     proc = run_script("algos/sft.py", "--max_steps", "3", *SMALL, "--output_dir", out)
-    assert "completion" in proc.stdout + proc.stderr  # the samples table
+    assert "completion" in proc.stdout + proc.stderr and "gold_score" in proc.stdout + proc.stderr  # samples table
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2, 3] and "eval_loss" in log[-1]
     model = AutoModelForCausalLM.from_pretrained(out)
