@@ -57,7 +57,8 @@ def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -
     for fmt, columns in formats.items():
         if all(c in dataset.column_names for c in columns):
             return fmt
-    accepted = "; ".join(f"{fmt} ({', '.join(cols)})" for fmt, cols in formats.items())
+    accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {', '.join(c for c in cols if c not in dataset.column_names)})"
+                         for fmt, cols in formats.items())
     raise UserError(f"{where} has columns [{', '.join(dataset.column_names)}], which fit no accepted "
                     f"format: {accepted}")
 

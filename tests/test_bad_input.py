@@ -25,7 +25,8 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: dataset '{bad}' (split train), given to sft.py, has columns [prompt, answer], which "
-                      "fit no accepted format: prompt-completion (prompt, completion); messages (messages)"]
+                      "fit no accepted format: prompt-completion (prompt, completion: missing completion); "
+                      "messages (messages: missing messages)"]
     assert {f: os.path.getmtime(os.path.join(sft_model, f)) for f in os.listdir(sft_model)} == before
 
 
@@ -57,7 +58,7 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("rows,message", [
-    ([{"prompt": "a", "chosen": "b"}], r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected\)"),
+    ([{"prompt": "a", "chosen": "b"}], r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected: missing rejected\)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " b"}] * 3, "no training pair left"),
 ])
 def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):

@@ -64,7 +64,7 @@ def test_check_columns_picks_a_format_or_lists_them():
     assert check_columns(Dataset.from_dict({"messages": [[]]}), formats, "d") == "messages"
     with pytest.raises(UserError) as e:
         check_columns(Dataset.from_dict({"prompt": ["x"], "answer": ["y"]}), formats, "dataset 'd'")
-    assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion)" in str(e.value)
+    assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion: missing completion)" in str(e.value)
 
 
 def test_completion_ends_in_exactly_one_eos(tokenizer):
