@@ -50,11 +50,12 @@ def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
 
 
 def test_reward_learns_a_small_preference_set(tmp_path, sft_model):
-    """On a tiny training set the model must separate chosen from rejected (training accuracy -> 1)."""
+    """Trained and evaluated on the same small set, the model must separate chosen from rejected."""
     out = str(tmp_path / "rm")
     run_script("algos/reward.py", "--model_name_or_path", sft_model, "--max_steps", "30",
                "--per_device_train_batch_size", "8", "--dataset_train_split", "validation",
                "--dataset_test_split", "validation", "--eval_steps", "30", "--learning_rate", "1e-3",
                "--output_dir", out)
     log = read_log(out)
-    assert log[-1]["eval_loss"] < log[0]["loss"]
+    # an indifferent reward model has loss log 2 and accuracy 0.5 (chance)
+    assert log[-1]["eval_loss"] < math.log(2) - 0.05 and log[-1]["eval_accuracy"] > 0.6, log[-1]
