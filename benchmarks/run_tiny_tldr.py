@@ -1,6 +1,7 @@
-"""The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, then the
-numbers: gold win rate of the SFT policy against the reference summaries, and the reward model's
-held-out preference accuracy. Writes benchmarks/results/tiny_tldr.md.
+"""The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, DPO and KTO
+from the SFT model, then the numbers: gold win rate of each policy against the reference summaries,
+the reward model's held-out preference accuracy, and training seconds per step. Writes
+benchmarks/results/tiny_tldr.md.
 
     python benchmarks/run_tiny_tldr.py
 """
@@ -9,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +43,18 @@ def last_log(output_dir: str) -> dict:
     return merged
 
 
+def seconds_per_step(output_dir: str) -> float:
+    """Median time between consecutive logged steps of the newest run: one training step, without
+    the evaluations that some steps also run."""
+    logs = os.path.join(output_dir, "logs")
+    newest = max((f for f in os.listdir(logs) if f.endswith(".jsonl")),
+                 key=lambda f: os.path.getmtime(os.path.join(logs, f)))
+    with open(os.path.join(logs, newest)) as f:
+        times = {r["step"]: r["time"] for r in map(json.loads, f) if "loss" in r}
+    steps = sorted(times)
+    return statistics.median(times[b] - times[a] for a, b in zip(steps, steps[1:]))
+
+
 def stage(name: str, script: str, *argv: str) -> float:
     print(f"\n=== {name}: python {script} {' '.join(argv)}", flush=True)
     start = time.time()
@@ -59,17 +73,27 @@ def main(args: Args):
     times["sft"] = stage("SFT", "algos/sft.py", *seed, "--output_dir", out("sft"))
     times["reward"] = stage("reward model", "algos/reward.py", *seed, "--model_name_or_path", out("sft"),
                             "--output_dir", out("reward"))
-    sft, rm = last_log(out("sft")), last_log(out("reward"))
+    for name in ("dpo", "kto"):
+        times[name] = stage(name.upper(), f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
+                            "--output_dir", out(name))
     total = time.time() - start
 
+    def policy_row(title, name):
+        log = last_log(out(name))
+        return (f"| {title} | **{log['gold/win_rate']:.1%} ± {log['gold/win_rate_ci']:.1%}** | {log['gold/score']:.2f} "
+                f"| {log['gold/mean_length']:.1f} | {seconds_per_step(out(name)):.3f} | {times[name]:.0f} |")
+
+    rm = last_log(out("reward"))
     rows = [
-        "| stage | result | wall time (s) |",
-        "|---|---|---|",
-        f"| tiny base model + data | built (or found in the cache) | {times['base']:.0f} |",
-        f"| SFT | gold win rate vs references: **{sft['gold/win_rate']:.1%} ± {sft['gold/win_rate_ci']:.1%}** "
-        f"(mean gold score {sft['gold/score']:.2f}, length {sft['gold/mean_length']:.1f} tokens) | {times['sft']:.0f} |",
-        f"| reward model | held-out preference accuracy: **{rm['eval_accuracy']:.1%}** | {times['reward']:.0f} |",
-        f"| total | | {total:.0f} |",
+        "| stage | gold win rate vs references | mean gold score | length (tokens) | s/step (batch 16) | wall time (s) |",
+        "|---|---|---|---|---|---|",
+        f"| tiny base model + data | | | | | {times['base']:.0f} |",
+        policy_row("SFT", "sft"),
+        f"| reward model | (held-out preference accuracy: **{rm['eval_accuracy']:.1%}**) | | | "
+        f"{seconds_per_step(out('reward')):.3f} | {times['reward']:.0f} |",
+        policy_row("DPO (sigmoid)", "dpo"),
+        policy_row("KTO", "kto"),
+        f"| total | | | | | {total:.0f} |",
     ]
     header = (f"Tiny TL;DR, produced {datetime.date.today()} by `python benchmarks/run_tiny_tldr.py` "
               f"(seed {args.seed}) on {os.cpu_count()} CPU cores ({platform.machine()}). Win rate: share "

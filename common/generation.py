@@ -60,13 +60,15 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """Per-token logprobs of the completion tokens in `input_ids` (prompt and padding get 0).
-
-    Token t is predicted by the logits at t-1, hence the shift by one: `completion_mask` marks
-    completion tokens in `input_ids`, and the result is aligned with `input_ids[:, 1:]`. Positions
-    count real tokens only, so left padding (as in generation) gives the same values as right."""
+def shifted_logits(model, input_ids, attention_mask) -> torch.Tensor:
+    """Logits at positions 0..T-2, aligned with the tokens they predict, `input_ids[:, 1:]`.
+    Positions count real tokens only, so left padding (as in generation) gives the same values as right."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids).logits[:, :-1]
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
+    """Per-token logprobs of the completion tokens in `input_ids` (prompt and padding get 0),
+    aligned with `input_ids[:, 1:]`; `completion_mask` marks completion tokens in `input_ids`."""
+    logits = shifted_logits(model, input_ids, attention_mask)
     return token_logprobs(logits, input_ids[:, 1:], temperature) * completion_mask[:, 1:]

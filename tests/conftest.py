@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
@@ -43,6 +44,18 @@ def tokenizer(tiny_model):
     from common.models import load_tokenizer
 
     return load_tokenizer(tiny_model)
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose next-token distribution depends only on the current token: row t of `table`
+    (so expected logprobs can be worked out by hand)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return type("Out", (), {"logits": self.table[input_ids]})
 
 
 def run_script(*argv, launcher=None, check=True, timeout=600):

@@ -4,6 +4,7 @@ import torch
 
 from common.generation import completion_logprobs, generate, pad, token_logprobs, truncate_at_stop
 from common.models import load_policy
+from tests.conftest import FixedLogits
 
 
 def test_pad_left_and_right():
@@ -30,17 +31,6 @@ def test_token_logprobs_match_softmax_with_temperature():
     z = torch.exp(torch.tensor([0.5, 1.0, 1.5]))
     expected = torch.log(torch.tensor([[z[2] / z.sum(), 1 / 3]]))
     assert torch.allclose(token_logprobs(logits, labels, temperature=2.0), expected, atol=1e-6)
-
-
-class FixedLogits(torch.nn.Module):
-    """A 'model' whose next-token distribution depends only on the current token: row t of `table`."""
-
-    def __init__(self, table):
-        super().__init__()
-        self.table = table
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        return type("Out", (), {"logits": self.table[input_ids]})
 
 
 def test_completion_logprobs_known_values_and_prompt_excluded():

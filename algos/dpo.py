@@ -1,0 +1,477 @@
+"""Direct Preference Optimization (DPO) and its loss variants: learn from preference pairs without a
+reward model or sampling.
+
+DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+Reward Model") shows that the KL-regularised RLHF objective has the closed-form optimum
+pi(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta), so the policy defines an implicit reward
+r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)). Put into the Bradley-Terry model, with
+h = log-ratio(chosen) - log-ratio(rejected), the loss is -log sigmoid(beta * h) (eq. 7).
+
+Variants (--loss_type), each a few lines in `dpo_loss`:
+  sigmoid    DPO; with --label_smoothing eps, conservative DPO (cDPO, Mitchell 2023)
+  robust     unbiased under label noise eps (Chowdhury et al. 2024, "Provably Robust DPO")
+  hinge      SLiC-HF hinge on the log-ratio margin (Zhao et al. 2023)
+  ipo        squared loss to a margin of 1/(2 beta) (Azar et al. 2023, "A General Theoretical Paradigm ...")
+  bco_pair   each implicit reward classified against a running mean (Jung et al. 2024, BCO)
+  sppo_hard  SPPO with hard labels: chosen ratio to +1/(2 beta), rejected to -1/(2 beta) (Wu et al. 2024)
+  nca_pair   Noise Contrastive Alignment, pairwise (Chen et al. 2024)
+  apo_zero   Anchored Preference Optimization: raise chosen, lower rejected (D'Oosterlinck et al. 2024)
+  apo_down   APO: lower both, rejected more (for when the chosen are worse than the model)
+  simpo      SimPO: no reference, length-normalised logprobs, target margin gamma (Meng et al. 2024)
+Extras: --rpo_alpha adds the NLL of the chosen completion (RPO, Pang et al. 2024, "Iterative
+Reasoning Preference Optimization"); --sync_ref_model mixes the policy into the reference every
+ref_model_sync_steps (TR-DPO, Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
+Alignment"); --reference_free uses pi_ref = 1.
+
+    python algos/dpo.py      # tiny TL;DR preferences from output/sft; prints the gold win rate
+    accelerate launch algos/dpo.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/tldr-preference --output_dir output/pythia-1b-dpo --learning_rate 1e-6 ...
+"""
+
+import gc
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
+from common.generation import generate, pad, shifted_logits, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard", "nca_pair", "apo_zero",
+                   "apo_down", "simpo"]
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/dpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model and data
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model"""
+    ref_model_name_or_path: str | None = None
+    """reference model (default: a frozen copy of the starting policy)"""
+    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    """prompt/chosen/rejected data, or chosen/rejected conversations (their shared start is the prompt)"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_test_split: str = "validation"
+    """split for eval metrics and samples ("" to skip evaluation)"""
+    max_prompt_length: int = 384
+    """prompt tokens kept (from the end: the instruction usually closes the prompt)"""
+    max_completion_length: int = 128
+    """completion tokens kept (from the start)"""
+    max_length: int = 512
+    """prompt + completion tokens; longer completions lose their end"""
+
+    # algorithm
+    loss_type: LossType = "sigmoid"
+    """preference loss (see the module docstring)"""
+    beta: float = 0.1
+    """strength of the KL regularisation to the reference (SimPO: reward scale, try 2.0)"""
+    label_smoothing: float = 0.0
+    """assumed probability that a label is flipped (cDPO for sigmoid/simpo, robust DPO for robust)"""
+    simpo_gamma: float = 0.5
+    """SimPO target reward margin gamma"""
+    rpo_alpha: float = 0.0
+    """weight of the chosen completions' NLL added to the loss (RPO; 0 disables)"""
+    reference_free: bool = False
+    """treat the reference as uniform (log pi_ref = 0); simpo always is"""
+    precompute_ref_logps: bool = False
+    """compute the reference logprobs once before training and free the reference model"""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps, ref <- alpha * policy + (1 - alpha) * ref"""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO mixing weight alpha (1.0 copies the policy)"""
+    ref_model_sync_steps: int = 64
+    """TR-DPO: optimizer steps between reference updates"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "cosine"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.1
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_train_epochs: float = 1.0
+    """passes over the training split"""
+    max_steps: int = -1
+    """optimizer steps to run; overrides num_train_epochs when > 0"""
+    per_device_train_batch_size: int = 16
+    """preference pairs per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    per_device_eval_batch_size: int = 32
+    """pairs per eval batch per process"""
+
+    # evaluation
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    num_sample_generations: int = 4
+    """greedy completions of eval prompts printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the preference losses
+# ---------------------------------------------------------------------------------------------
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, simpo_gamma: float = 0.5, bco_delta: float = 0.0):
+    """Per-pair losses and implicit rewards beta * log(pi / pi_ref) of chosen and rejected (detached).
+
+    Inputs are sequence logprobs of shape [B]: sums over completion tokens, except for ipo and simpo,
+    which use the mean over completion tokens (`uses_mean_logps`); simpo takes ref logps = 0."""
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    eps = label_smoothing
+    if loss_type == "sigmoid":  # Bradley-Terry on implicit rewards; cDPO: a label is wrong w.p. eps
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":  # de-biased for noise rate eps: its expectation is the clean loss
+        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss_type == "hinge":  # SLiC: margin 1 on the beta-scaled log-ratio difference
+        losses = F.relu(1 - beta * h)
+    elif loss_type == "ipo":  # IPO eq. 17 (tau = beta): regress h onto 1 / (2 tau), never to infinity
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "bco_pair":  # BCO: chosen reward above, rejected below the running mean delta
+        losses = -F.logsigmoid(beta * chosen_ratio - bco_delta) - F.logsigmoid(-(beta * rejected_ratio - bco_delta))
+    elif loss_type == "sppo_hard":  # SPPO with P(chosen wins) = 1: log-ratios to +-1/(2 beta)
+        losses = (chosen_ratio - 1 / (2 * beta)) ** 2 + (rejected_ratio + 1 / (2 * beta)) ** 2
+    elif loss_type == "nca_pair":  # NCA: absolute likelihoods, so the chosen log-ratio cannot fall
+        losses = (-F.logsigmoid(beta * chosen_ratio) - 0.5 * F.logsigmoid(-beta * chosen_ratio)
+                  - 0.5 * F.logsigmoid(-beta * rejected_ratio))
+    elif loss_type == "apo_zero":  # APO-zero: chosen likelihood up, rejected down
+        losses = (1 - torch.sigmoid(beta * chosen_ratio)) + torch.sigmoid(beta * rejected_ratio)
+    elif loss_type == "apo_down":  # APO-down: chosen down, and rejected further down
+        losses = torch.sigmoid(beta * chosen_ratio) + (1 - torch.sigmoid(beta * h))
+    elif loss_type == "simpo":  # SimPO eq. 6: beta * (mean logp_c - mean logp_r) must exceed gamma
+        z = beta * h - simpo_gamma
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+def uses_mean_logps(loss_type: str) -> bool:
+    """IPO and SimPO compare length-normalised logprobs; the others compare sums."""
+    return loss_type in ("ipo", "simpo")
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor):
+    """(summed completion logprobs [N], completion token counts [N]) from `shifted_logits` output.
+    Prompt and padding tokens never count; token t is scored by the logits at t - 1."""
+    mask = completion_mask[:, 1:]
+    return (token_logprobs(logits, input_ids[:, 1:]) * mask).sum(-1), mask.sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: tokenize with the truncation order, skip and count unusable pairs
+# ---------------------------------------------------------------------------------------------
+def split_implicit_prompt(chosen: list, rejected: list):
+    """Conversations given without a prompt: the messages both start with are the prompt."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+        n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def tokenize(dataset, tokenizer, args):
+    """Rows -> (prompt ids, chosen ids, rejected ids) and a Counter of skipped rows by reason.
+    Truncation order: the prompt keeps its last max_prompt_length tokens, each completion its first
+    max_completion_length, then completions are cut so that prompt + completion <= max_length."""
+    examples, skipped = [], Counter()
+    for row in dataset:
+        if "prompt" in row:
+            prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+        else:
+            prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
+            if not prompt:
+                skipped["chosen and rejected share no prompt messages"] += 1
+                continue
+        if chosen == rejected:
+            skipped["chosen == rejected"] += 1
+            continue
+        if not all(completion_text(tokenizer, prompt, c).strip() for c in (chosen, rejected)):
+            skipped["empty completion"] += 1
+            continue
+        prompt_ids = encode_prompt(tokenizer, prompt)[-args.max_prompt_length:]
+        room = min(args.max_completion_length, args.max_length - len(prompt_ids))
+        if room <= 0:
+            skipped[f"prompt leaves no room under max_length={args.max_length}"] += 1
+            continue
+        examples.append((prompt_ids, encode_completion(tokenizer, prompt, chosen)[:room],
+                         encode_completion(tokenizer, prompt, rejected)[:room]))
+    return examples, skipped
+
+
+def collate(examples, pad_id: int):
+    """Chosen rows then rejected rows, right-padded into one batch of 2B (one forward pass for
+    both); completion_mask is 1 on completion tokens (EOS included), 0 on prompt and padding."""
+    input_ids, attention_mask = pad([p + c for p, c, _ in examples] + [p + r for p, _, r in examples], pad_id)
+    prompt_lens = torch.tensor([len(p) for p, _, _ in examples] * 2)[:, None]
+    completion_mask = (torch.arange(input_ids.shape[1])[None, :] >= prompt_lens).long() * attention_mask
+    return input_ids, attention_mask, completion_mask
+
+
+def forward_pairs(model, batch, mean_logps: bool):
+    """(chosen logps, rejected logps, chosen token counts, mean logits of chosen / rejected completions)."""
+    input_ids, attention_mask, completion_mask = batch
+    logits = shifted_logits(model, input_ids, attention_mask)
+    logps, counts = sequence_logps(logits, input_ids, completion_mask)
+    mask = completion_mask[:, 1:]
+    mean_logits = ((logits.detach().float().mean(-1) * mask).sum(-1) / counts).chunk(2)
+    if mean_logps:
+        logps = logps / counts
+    chosen, rejected = logps.chunk(2)
+    return chosen, rejected, counts.chunk(2)[0], mean_logits
+
+
+def main(args: Args):
+    if args.loss_type == "simpo":
+        args.reference_free = True
+    if args.precompute_ref_logps and args.sync_ref_model:
+        raise UserError("--precompute_ref_logps and --sync_ref_model exclude each other: TR-DPO changes "
+                        "the reference during training")
+    if args.sync_ref_model and args.reference_free:
+        raise UserError("--sync_ref_model needs a reference model; it cannot be used with --reference_free or simpo")
+    if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
+        raise UserError(f"loss_type robust needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
+    accelerator = setup(args)
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    mean_logps = uses_mean_logps(args.loss_type)
+
+    # ---- model and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
+
+    def load(split):
+        dataset = load_split(args.dataset_name, split)
+        if check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,") \
+                == "implicit prompt" and not is_conversational(dataset[0]["chosen"]):
+            raise UserError(f"dataset '{args.dataset_name}' has no prompt column; chosen/rejected without a prompt "
+                            "must be conversations (lists of messages) whose shared start is the prompt")
+        examples, skipped = tokenize(dataset, tokenizer, args)
+        if skipped:
+            accelerator.print(f"skipped {sum(skipped.values())} of {len(dataset)} pairs of split {split}: "
+                              + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+        if not examples:
+            raise UserError(f"no pair of split '{split}' is left to train on: "
+                            + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+        return examples
+
+    train_examples = load(args.dataset_train_split)
+    eval_examples = load(args.dataset_test_split) if args.dataset_test_split else []
+    steps_per_epoch = len(train_examples) // args.total_batch_size
+    args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
+    if args.num_steps <= 0:
+        raise UserError(
+            f"{len(train_examples)} training pairs make no full batch of {args.total_batch_size} "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
+
+    model = load_policy(args.model_name_or_path, tokenizer)
+    ref_model = None
+    if not args.reference_free:  # frozen, in eval mode (no dropout), never wrapped for DDP
+        ref_model = load_policy(args.ref_model_name_or_path or args.model_name_or_path, tokenizer)
+        ref_model.eval().requires_grad_(False).to(accelerator.device)
+
+    @torch.no_grad()
+    def reference_logps(examples):
+        """Reference (chosen, rejected) logps of examples; zeros when reference-free."""
+        if ref_model is None:
+            return torch.zeros(len(examples), device=accelerator.device), torch.zeros(len(examples), device=accelerator.device)
+        batch = tuple(t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
+        chosen, rejected, _, _ = forward_pairs(ref_model, batch, mean_logps)
+        return chosen, rejected
+
+    def precompute(examples):
+        """Reference logps of every example [N, 2]: each process scores a strided share, then all gather."""
+        rank, world = accelerator.process_index, accelerator.num_processes
+        per_rank = math.ceil(len(examples) / world)
+        local = torch.zeros(per_rank, 2, device=accelerator.device)
+        mine = examples[rank::world]
+        for i in range(0, len(mine), args.per_device_eval_batch_size):
+            local[i:i + args.per_device_eval_batch_size] = torch.stack(
+                reference_logps(mine[i:i + args.per_device_eval_batch_size]), dim=1)
+        # example j was scored by rank j % world at row j // world
+        gathered = accelerator.gather(local).view(world, per_rank, 2)
+        return torch.stack([gathered[j % world, j // world] for j in range(len(examples))])
+
+    train_ref = eval_ref = None
+    if args.precompute_ref_logps and ref_model is not None:
+        train_ref, eval_ref = precompute(train_examples), precompute(eval_examples) if eval_examples else None
+        ref_model = None  # frees its memory: only the cached logprobs are needed from now on
+        gc.collect()
+        accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; reference model freed")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs, "
+                      f"loss {args.loss_type}, beta {args.beta}")
+
+    bco_sum, bco_count = 0.0, 0  # running mean of the implicit rewards (bco_pair's delta)
+
+    def pair_stats(indices, examples, cached_ref, policy, train: bool):
+        """Loss and the TRL metrics of one micro-batch of pairs (indices into `examples`)."""
+        nonlocal bco_sum, bco_count
+        batch = tuple(t.to(accelerator.device) for t in collate([examples[i] for i in indices], tokenizer.pad_token_id))
+        chosen, rejected, chosen_counts, (logits_c, logits_r) = forward_pairs(policy, batch, mean_logps)
+        ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(
+            [examples[i] for i in indices])
+        delta = bco_sum / bco_count if bco_count else 0.0
+        losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type,
+                                              args.label_smoothing, args.simpo_gamma, delta)
+        loss = losses.mean()
+        if args.loss_type == "bco_pair" and train:
+            total = accelerator.reduce(torch.stack([reward_c.sum() + reward_r.sum(), torch.tensor(
+                2.0 * len(indices), device=accelerator.device)]), "sum")
+            bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())
+        summed_chosen = chosen * chosen_counts if mean_logps else chosen
+        nll = -summed_chosen.sum() / chosen_counts.sum()  # RPO: mean NLL per chosen token
+        if args.rpo_alpha:
+            loss = loss + args.rpo_alpha * nll
+        stats = {"loss": loss.detach(), "rewards/chosen": reward_c.mean(), "rewards/rejected": reward_r.mean(),
+                 "rewards/accuracies": (reward_c > reward_r).float().mean(),
+                 "rewards/margins": (reward_c - reward_r).mean(), "logps/chosen": chosen.detach().mean(),
+                 "logps/rejected": rejected.detach().mean(), "logits/chosen": logits_c.mean(),
+                 "logits/rejected": logits_r.mean()}
+        if args.rpo_alpha:
+            stats["nll_loss"] = nll.detach()
+        return loss, stats
+
+    @torch.no_grad()
+    def evaluate():
+        """Eval metrics over the eval pairs (each process takes a strided share; means over pairs)."""
+        model.eval()
+        sums, count = None, torch.zeros((), device=accelerator.device)
+        mine = list(range(len(eval_examples)))[accelerator.process_index::accelerator.num_processes]
+        for i in range(0, len(mine), args.per_device_eval_batch_size):
+            indices = mine[i:i + args.per_device_eval_batch_size]
+            _, stats = pair_stats(indices, eval_examples, eval_ref, model, train=False)
+            values = torch.stack(list(stats.values())) * len(indices)
+            sums = values if sums is None else sums + values
+            count += len(indices)
+        model.train()
+        totals = accelerator.reduce(sums, "sum") / accelerator.reduce(count, "sum")
+        return {f"eval_{k}": v for k, v in zip(stats, totals.tolist())}
+
+    def log_samples(step):
+        """Greedy completions of the first eval prompts beside the chosen completion."""
+        if not accelerator.is_main_process or args.num_sample_generations <= 0:
+            return
+        rows = eval_examples[:args.num_sample_generations]
+        _, _, ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer, [p for p, _, _ in rows],
+                                   args.max_new_tokens, temperature=0.0)
+        samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c,
+                    "chosen": tokenizer.decode(ch, skip_special_tokens=True)}
+                   for (p, ch, _), c in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True))]
+        if args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA:  # the tiny task can score its samples
+            for sample in samples:
+                sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
+        tracker.log_samples(samples, step)
+
+    def micro_batches():
+        """Endless shuffled micro-batches (indices) of this process's share of each global batch."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        per_step = args.per_device_train_batch_size * args.world_size
+        while True:
+            order = list(range(len(train_examples)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_step + 1, per_step):
+                yield order[start:start + per_step][accelerator.process_index::args.world_size]
+
+    batches = micro_batches()
+    start_time = time.time()
+    for step in range(1, args.num_steps + 1):
+        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
+        # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
+        totals = None
+        for _ in range(args.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                loss, stats = pair_stats(next(batches), train_examples, train_ref, model, train=True)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            values = torch.stack(list(stats.values()))
+            totals = values if totals is None else totals + values
+        scheduler.step()
+        tracker.step()
+
+        # ---- TR-DPO: pull the reference towards the policy (Gorbatovski et al. 2024, soft update) ----
+        if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
+            with torch.no_grad():
+                for ref_param, param in zip(ref_model.parameters(), accelerator.unwrap_model(model).parameters()):
+                    ref_param.mul_(1 - args.ref_model_mixup_alpha).add_(param.detach(), alpha=args.ref_model_mixup_alpha)
+
+        # ---- LOG ----
+        means = (accelerator.reduce(totals, "mean") / args.gradient_accumulation_steps).tolist()
+        metrics = dict(zip(stats, means))
+        metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                        "epoch": step / max(1, steps_per_epoch), "steps_per_second": step / (time.time() - start_time)})
+        if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
+            metrics.update(evaluate())
+            log_samples(step)
+        tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

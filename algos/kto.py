@@ -1,0 +1,373 @@
+"""Kahneman-Tversky Optimization (KTO): learn from completions labelled only good or bad.
+
+KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization") needs no
+pairs. With the implicit reward r(x, y) = log(pi(y|x) / pi_ref(y|x)) and a reference point
+z0 = KL(pi || pi_ref), the value of a completion follows prospect theory:
+
+    v(x, y) = lambda_D * sigmoid(beta * (r - z0))   if y is desirable
+              lambda_U * sigmoid(beta * (z0 - r))   if y is undesirable
+    loss    = E[lambda_y - v(x, y)]
+
+z0 is estimated per batch from mismatched pairs (prompt i with the completion of row i - 1: text
+the policy was not trained to produce for that prompt), as the mean of r over them, clamped at 0
+and detached (section 4.1: it only sets the reference point, no gradient flows through it).
+`--loss_type apo_zero_unpaired` drops z0 and uses Anchored Preference Optimization's zero anchor
+(D'Oosterlinck et al. 2024): loss = 1 - sigmoid(beta r) for desirable, sigmoid(beta r) for undesirable.
+
+    python algos/kto.py      # tiny TL;DR preference pairs, split into good/bad; prints the gold win rate
+    accelerate launch algos/kto.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/kto-mix-14k --output_dir output/pythia-1b-kto --learning_rate 5e-7 ...
+"""
+
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, completion_text, encode_completion, encode_prompt, load_split
+from common.generation import generate, pad, shifted_logits, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/kto"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model and data
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model"""
+    ref_model_name_or_path: str | None = None
+    """reference model (default: a frozen copy of the starting policy)"""
+    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    """prompt/completion/label data, or prompt/chosen/rejected pairs (chosen -> label True, rejected -> False)"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_test_split: str = "validation"
+    """split for eval metrics and samples ("" to skip evaluation)"""
+    max_prompt_length: int = 384
+    """prompt tokens kept (from the end: the instruction usually closes the prompt)"""
+    max_completion_length: int = 128
+    """completion tokens kept (from the start)"""
+    max_length: int = 512
+    """prompt + completion tokens; longer completions lose their end"""
+
+    # algorithm
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """KTO with the KL reference point, or APO-zero for unpaired data (no reference point)"""
+    beta: float = 0.1
+    """strength of the KL regularisation to the reference"""
+    desirable_weight: float = 1.0
+    """lambda_D, weight of the desirable completions' losses"""
+    undesirable_weight: float = 1.0
+    """lambda_U, weight of the undesirable completions' losses"""
+
+    # optimization
+    learning_rate: float = 1e-4
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "cosine"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.1
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_train_epochs: float = 1.0
+    """passes over the training split"""
+    max_steps: int = -1
+    """optimizer steps to run; overrides num_train_epochs when > 0"""
+    per_device_train_batch_size: int = 16
+    """labelled completions per micro-batch per process (>= 2: the KL pairs mismatch rows of a batch)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    per_device_eval_batch_size: int = 32
+    """completions per eval batch per process"""
+
+    # evaluation
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    num_sample_generations: int = 4
+    """greedy completions of eval prompts printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """completions per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the KTO loss
+# ---------------------------------------------------------------------------------------------
+def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor | float,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0, loss_type: str = "kto"):
+    """Per-completion losses and implicit rewards beta * log(pi / pi_ref) (detached).
+
+    logps/ref_logps: summed completion logprobs [B]; labels: True = desirable; kl: the reference
+    point z0 (already detached and clamped at 0; unused by apo_zero_unpaired)."""
+    ratio = logps - ref_logps
+    if loss_type == "kto":  # lambda_y - v(x, y), eq. 8
+        desirable = 1 - torch.sigmoid(beta * (ratio - kl))
+        undesirable = 1 - torch.sigmoid(beta * (kl - ratio))
+    elif loss_type == "apo_zero_unpaired":  # APO-zero: push desirable up and undesirable down from 0
+        desirable = 1 - torch.sigmoid(beta * ratio)
+        undesirable = torch.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    losses = torch.where(labels, desirable_weight * desirable, undesirable_weight * undesirable)
+    return losses, (beta * ratio).detach()
+
+
+def kl_reference_point(kl_logps: torch.Tensor, kl_ref_logps: torch.Tensor) -> torch.Tensor:
+    """z0: the mean log-ratio over the mismatched pairs, clamped at 0 (a KL is never negative) and
+    detached. Callers average it over processes before use."""
+    return (kl_logps - kl_ref_logps).mean().detach().clamp(min=0)
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Summed completion logprobs [N] from `shifted_logits` output; prompt and padding never count."""
+    return (token_logprobs(logits, input_ids[:, 1:]) * completion_mask[:, 1:]).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: unpaired rows (pairs are split), the truncation order, skipped rows counted
+# ---------------------------------------------------------------------------------------------
+def unpaired_rows(dataset, fmt: str):
+    """(prompt, completion, label) triples; a preference pair gives (chosen, True) and (rejected, False)."""
+    for row in dataset:
+        if fmt == "unpaired":
+            yield row["prompt"], row["completion"], row["label"]
+        else:
+            yield row["prompt"], row["chosen"], True
+            yield row["prompt"], row["rejected"], False
+
+
+def tokenize(rows, tokenizer, args):
+    """-> [(prompt ids, completion ids, label)] and a Counter of skipped rows by reason. The prompt
+    keeps its last max_prompt_length tokens, the completion its first max_completion_length, then
+    the completion is cut so that prompt + completion <= max_length."""
+    examples, skipped = [], Counter()
+    for prompt, completion, label in rows:
+        if label not in (True, False):  # also accepts 0 / 1
+            skipped["label not true/false"] += 1
+            continue
+        if not completion_text(tokenizer, prompt, completion).strip():
+            skipped["empty completion"] += 1
+            continue
+        prompt_ids = encode_prompt(tokenizer, prompt)[-args.max_prompt_length:]
+        room = min(args.max_completion_length, args.max_length - len(prompt_ids))
+        if room <= 0:
+            skipped[f"prompt leaves no room under max_length={args.max_length}"] += 1
+            continue
+        examples.append((prompt_ids, encode_completion(tokenizer, prompt, completion)[:room], bool(label)))
+    return examples, skipped
+
+
+def collate(examples, pad_id: int, max_length: int):
+    """The batch and its KL batch (prompt i with completion i - 1), each right-padded:
+    (input_ids, attention_mask, completion_mask) twice, and the labels."""
+    def build(pairs):
+        input_ids, attention_mask = pad([p + c for p, c in pairs], pad_id)
+        prompt_lens = torch.tensor([len(p) for p, _ in pairs])[:, None]
+        completion_mask = (torch.arange(input_ids.shape[1])[None, :] >= prompt_lens).long() * attention_mask
+        return input_ids, attention_mask, completion_mask
+
+    shifted = [examples[i - 1][1] for i in range(len(examples))]  # i = 0 takes the last completion
+    return (build([(p, c) for p, c, _ in examples]),
+            build([(p, c[:max_length - len(p)]) for (p, _, _), c in zip(examples, shifted)]),
+            torch.tensor([label for _, _, label in examples]))
+
+
+def main(args: Args):
+    if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
+        raise UserError("KTO estimates its KL reference point from mismatched rows of a batch: "
+                        "--per_device_train_batch_size must be >= 2")
+    accelerator = setup(args)
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    # ---- model and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    formats = {"unpaired": ["prompt", "completion", "label"], "preference": ["prompt", "chosen", "rejected"]}
+
+    def load(split):
+        dataset = load_split(args.dataset_name, split)
+        fmt = check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to kto.py,")
+        examples, skipped = tokenize(unpaired_rows(dataset, fmt), tokenizer, args)
+        if skipped:
+            accelerator.print(f"skipped {sum(skipped.values())} rows of split {split}: "
+                              + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+        if not examples:
+            raise UserError(f"no row of split '{split}' is left to train on: "
+                            + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+        return examples
+
+    train_examples = load(args.dataset_train_split)
+    eval_examples = load(args.dataset_test_split) if args.dataset_test_split else []
+    num_desirable = sum(label for _, _, label in train_examples)
+    num_undesirable = len(train_examples) - num_desirable
+    if num_desirable and num_undesirable:
+        # the paper (section 4.2) recommends lambda_D n_D / (lambda_U n_U) in [1, 4/3]
+        ratio = args.desirable_weight * num_desirable / (args.undesirable_weight * num_undesirable)
+        if not 1 <= ratio <= 4 / 3:
+            low = args.undesirable_weight * num_undesirable / num_desirable
+            accelerator.print(f"hint: desirable_weight x {num_desirable} desirable / (undesirable_weight x "
+                              f"{num_undesirable} undesirable) = {ratio:.2f}, outside the [1, 4/3] the KTO paper "
+                              f"recommends; try --desirable_weight between {low:.2f} and {low * 4 / 3:.2f}")
+    steps_per_epoch = len(train_examples) // args.total_batch_size
+    args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
+    if args.num_steps <= 0:
+        raise UserError(
+            f"{len(train_examples)} training rows make no full batch of {args.total_batch_size} "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
+
+    model = load_policy(args.model_name_or_path, tokenizer)
+    # frozen, in eval mode (no dropout), never wrapped for DDP
+    ref_model = load_policy(args.ref_model_name_or_path or args.model_name_or_path, tokenizer)
+    ref_model.eval().requires_grad_(False).to(accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(train_examples)} training rows ({num_desirable} desirable), {args.num_steps} steps of "
+                      f"{args.total_batch_size}, loss {args.loss_type}, beta {args.beta}")
+
+    def batch_stats(examples, policy, share_kl=True):
+        """Loss and metric sums of one micro-batch: the loss is its mean over rows; the metric sums
+        (loss, rewards, logps per class, class counts, kl) are divided after reduction. With
+        share_kl, z0 is averaged over processes (training: every process runs every micro-batch)."""
+        batch, kl_batch, labels = collate(examples, tokenizer.pad_token_id, args.max_length)
+        batch, kl_batch = (tuple(t.to(accelerator.device) for t in b) for b in (batch, kl_batch))
+        labels = labels.to(accelerator.device)
+        logps = sequence_logps(shifted_logits(policy, batch[0], batch[1]), batch[0], batch[2])
+        with torch.no_grad():
+            ref_logps = sequence_logps(shifted_logits(ref_model, batch[0], batch[1]), batch[0], batch[2])
+            kl = torch.zeros((), device=accelerator.device)
+            if args.loss_type == "kto":  # the reference point: no gradient, so no graph is kept
+                kl_logps = sequence_logps(shifted_logits(policy, kl_batch[0], kl_batch[1]), kl_batch[0], kl_batch[2])
+                kl_ref = sequence_logps(shifted_logits(ref_model, kl_batch[0], kl_batch[1]), kl_batch[0], kl_batch[2])
+                kl = kl_reference_point(kl_logps, kl_ref)
+                kl = accelerator.reduce(kl, "mean") if share_kl else kl
+        losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
+                                   args.undesirable_weight, args.loss_type)
+        good, bad = labels.float(), (~labels).float()
+        sums = torch.stack([losses.detach().sum(), (rewards * good).sum(), (rewards * bad).sum(),
+                            (logps.detach() * good).sum(), (logps.detach() * bad).sum(), good.sum(), bad.sum(),
+                            kl * len(examples), torch.tensor(float(len(examples)), device=accelerator.device)])
+        return losses.mean(), sums
+
+    def summarize(sums, prefix=""):
+        loss, r_good, r_bad, lp_good, lp_bad, n_good, n_bad, kl, n = accelerator.reduce(sums, "sum").tolist()
+        metrics = {"loss": loss / n, "rewards/chosen": r_good / max(n_good, 1), "rewards/rejected": r_bad / max(n_bad, 1),
+                   "logps/chosen": lp_good / max(n_good, 1), "logps/rejected": lp_bad / max(n_bad, 1), "kl": kl / n}
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return {prefix + k: v for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def evaluate():
+        """Eval metrics over the eval rows (each process takes a strided share)."""
+        model.eval()
+        mine = eval_examples[accelerator.process_index::accelerator.num_processes]
+        sums = sum(batch_stats(mine[i:i + args.per_device_eval_batch_size], model, share_kl=False)[1]
+                   for i in range(0, len(mine), args.per_device_eval_batch_size))
+        model.train()
+        return summarize(sums, "eval_")
+
+    def log_samples(step):
+        """Greedy completions of the first eval prompts."""
+        if not accelerator.is_main_process or args.num_sample_generations <= 0:
+            return
+        prompts = list(dict.fromkeys(tuple(p) for p, _, _ in eval_examples))[:args.num_sample_generations]
+        _, _, ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer, [list(p) for p in prompts],
+                                   args.max_new_tokens, temperature=0.0)
+        samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
+                   for p, c in zip(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True))]
+        if args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA:  # the tiny task can score its samples
+            for sample in samples:
+                sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
+        tracker.log_samples(samples, step)
+
+    def micro_batches():
+        """Endless shuffled micro-batches of this process's share of each global batch."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        per_step = args.per_device_train_batch_size * args.world_size
+        while True:
+            order = list(range(len(train_examples)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_step + 1, per_step):
+                yield [train_examples[i] for i in order[start:start + per_step][accelerator.process_index::args.world_size]]
+
+    batches = micro_batches()
+    start_time = time.time()
+    for step in range(1, args.num_steps + 1):
+        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of rows, so the
+        # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
+        totals = 0
+        for _ in range(args.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                loss, sums = batch_stats(next(batches), model)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            totals = totals + sums
+        scheduler.step()
+        tracker.step()
+
+        # ---- LOG ----
+        metrics = summarize(totals)
+        metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                        "epoch": step / max(1, steps_per_epoch), "steps_per_second": step / (time.time() - start_time)})
+        if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
+            metrics.update(evaluate())
+            log_samples(step)
+        tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))
