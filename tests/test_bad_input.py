@@ -7,7 +7,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from algos import reward, sft
+from algos import dpo, kto, reward, sft
 from common.runtime import UserError
 from tests.conftest import run_script
 
@@ -71,3 +71,34 @@ def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
 def test_reward_without_an_sft_model_says_so(tmp_path):
     with pytest.raises(UserError, match="could not load 'nowhere/sft'"):
         reward.main(reward.Args(model_name_or_path="nowhere/sft", output_dir=str(tmp_path / "rm")))
+
+
+@pytest.mark.parametrize("rows,extra,message", [
+    ([{"prompt": "a", "chosen": " b", "rejected": " b"}, {"prompt": "a", "chosen": "", "rejected": " c"},
+      {"prompt": "a " * 40, "chosen": " b", "rejected": " c"}], {},
+     "no pair of split 'train' is left to train on: 1 chosen == rejected, 1 empty completion, "
+     "1 prompt leaves no room under max_length=32"),
+    ([{"chosen": "a b", "rejected": "a c"}], {}, "chosen/rejected without a prompt must be conversations"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"precompute_ref_logps": True, "sync_ref_model": True},
+     "exclude each other"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"loss_type": "robust", "label_smoothing": 0.5},
+     "robust needs 0 <= label_smoothing < 0.5"),
+])
+def test_bad_inputs_to_dpo(tmp_path, sft_model, rows, extra, message):
+    args = dpo.Args(model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
+                    dataset_test_split="", max_steps=1, max_length=32, output_dir=str(tmp_path / "dpo"), **extra)
+    with pytest.raises(UserError, match=message):
+        dpo.main(args)
+
+
+@pytest.mark.parametrize("rows,extra,message", [
+    ([{"prompt": "a", "completion": " ", "label": True}, {"prompt": "a", "completion": " b", "label": "yes"}], {},
+     "no row of split 'train' is left to train on: 1 empty completion, 1 label not true/false"),
+    ([{"prompt": "a", "completion": " b"}], {}, r"unpaired \(prompt, completion, label: missing label\)"),
+    ([{"prompt": "a", "completion": " b", "label": True}], {"per_device_train_batch_size": 1}, "must be >= 2"),
+])
+def test_bad_inputs_to_kto(tmp_path, sft_model, rows, extra, message):
+    args = kto.Args(model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
+                    dataset_test_split="", max_steps=1, output_dir=str(tmp_path / "kto"), **extra)
+    with pytest.raises(UserError, match=message):
+        kto.main(args)
