@@ -163,6 +163,12 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
     return score
 
 
+def gold_reward(prompts, completions, **columns) -> list[float]:
+    """The gold judge as a reward function for grpo.py / rloo.py (`--reward_funcs
+    benchmarks.tiny_tldr:gold_reward`): an oracle reward, for comparison with a learned one."""
+    return [gold_score(p, c) for p, c in zip(prompts, completions)]
+
+
 def win_rate(prompts, summaries, references, finished=None) -> tuple[float, float]:
     """Share of prompts where the judge prefers the summary to the reference (ties count 0.5),
     with the half-width of its 95% normal interval over prompts."""

@@ -1,0 +1,355 @@
+"""Group Relative Policy Optimization (GRPO): online RL with a group-mean baseline instead of a critic.
+
+GRPO (Shao et al. 2024, "DeepSeekMath") samples G completions per prompt, scores them, and uses
+the reward relative to the group as the advantage of every token:
+
+    A_i = (r_i - mean(r_group)) / std(r_group)                        (--scale_rewards group)
+    loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
+
+with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
+Variants: clip-higher eps_high and token-level normalisation over the whole batch (DAPO, Yu et al.
+2025); no std scaling and a constant normaliser (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-
+Like Training"); a sequence-level ratio, the geometric mean of the token ratios (GSPO, Zheng et al.
+2025). Scaling the rewards by the batch std instead of the group std follows REINFORCE++ (Hu 2025);
+the reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
+
+    python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
+    accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --output_dir output/pythia-1b-grpo ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.generation import generate, shifted_logits, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.rewards import compute_rewards, load_reward_sources
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/grpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model, data and rewards
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model"""
+    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_prompt_length: int = 512
+    """prompt tokens kept (from the end)"""
+    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
+    """reward models (sequence classifiers with one output), each with its own tokenizer"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    reward_weights: list[float] | None = None
+    """weight of each reward (models first, then functions; default all 1)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+
+    # sampling
+    num_generations: int = 8
+    """G, completions sampled per prompt"""
+    max_completion_length: int = 48
+    """tokens sampled per completion"""
+    temperature: float = 1.0
+    """sampling temperature; training logprobs use the same one"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 disables)"""
+    min_p: float = 0.0
+    """min-p sampling (0 disables)"""
+    repetition_penalty: float = 1.0
+    """HF repetition penalty (1 disables)"""
+
+    # algorithm
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """normalisation of the token losses: grpo (per sequence, then batch), bnpo (local batch tokens),
+    dr_grpo (batch x max_completion_length), dapo (tokens of the whole global accumulated batch)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
+    beta: float = 0.04
+    """weight of the k3 KL to the reference (0 loads no reference model)"""
+    epsilon: float = 0.2
+    """lower clip range of the ratio"""
+    epsilon_high: float | None = None
+    """upper clip range (DAPO clip-higher; default: epsilon)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each generation batch (> 1 clips against the sampling-time logprobs)"""
+    mask_truncated_completions: bool = False
+    """leave completions that did not stop out of the loss (DAPO)"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "linear"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.0
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 200
+    """optimizer steps (generation batches x num_iterations)"""
+    per_device_train_batch_size: int = 32
+    """completions per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+
+    # evaluation
+    num_sample_generations: int = 4
+    """completions shown in the samples table every eval_steps"""
+    eval_steps: int = 50
+    """print a table of sampled completions with their rewards every this many steps"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    generation_batch_size: int = 0
+    """completions per generation batch = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: group-relative advantages and the clipped loss
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """(r - mean of its group) / std; groups are consecutive runs of num_generations rewards."""
+    grouped = rewards.view(-1, num_generations)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale_rewards == "group":
+        advantages = advantages / (grouped.std(dim=1).repeat_interleave(num_generations) + 1e-4)
+    elif scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + 1e-4)
+    return advantages
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
+              epsilon_high: float = 0.2, beta: float = 0.0, importance_sampling_level: str = "token",
+              max_completion_length: int = 0, num_items_in_batch: float = 0.0):
+    """The loss of a micro-batch and its per-token ratios. logps/old_logps/ref_logps/mask: [B, T]
+    over completion tokens; advantages: [B]; ref_logps unused when beta == 0; num_items_in_batch:
+    the dapo normaliser (completion tokens of the global batch, scaled to one micro-batch)."""
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    a = advantages[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a)
+    if beta:
+        q = ref_logps - logps  # k3: an unbiased, always positive estimate of KL(pi || pi_ref)
+        per_token = per_token + beta * (torch.exp(q) - q - 1)
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / num_items_in_batch
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return loss, ratio.expand_as(logps)
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    # ---- batch sizes: checked before anything loads ----
+    args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if args.num_generations < 2 or args.generation_batch_size % args.num_generations:
+        raise UserError(
+            f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {args.world_size} processes = {args.generation_batch_size} completions "
+            f"per generation batch, which must be a multiple of num_generations {args.num_generations} (>= 2)")
+    args.num_steps = args.max_steps
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    # ---- model, data and rewards ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
+    rows = list(dataset)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    model = load_policy(args.model_name_or_path, tokenizer)
+    ref_model = None
+    if args.beta:  # frozen, in eval mode (no dropout), never wrapped for DDP; beta == 0 needs none
+        ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps; {args.generation_batch_size // args.num_generations} "
+                      f"prompts x {args.num_generations} completions per generation batch; rewards: "
+                      + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
+
+    def prompt_batches():
+        """Endless: the global batch's prompts, each repeated num_generations times (the same on
+        every rank), then this rank's contiguous share, so a group may span ranks."""
+        rng = random.Random(args.seed)
+        per_batch = args.generation_batch_size // args.num_generations
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_batch + 1, per_batch):
+                repeated = [i for i in order[start:start + per_batch] for _ in range(args.num_generations)]
+                yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+
+    def completion_logps(policy, input_ids, attention_mask, prompt_width):
+        """Per-token logprobs (at the sampling temperature) and entropies of the completion part."""
+        logits = shifted_logits(policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
+        with torch.no_grad():
+            dist = torch.log_softmax(logits.float() / args.temperature, dim=-1)
+            entropy = -(dist.exp() * dist).sum(-1)
+        return logps, entropy
+
+    prompts_iter = prompt_batches()
+    start_time, episode, step = time.time(), 0, 0
+    while step < args.num_steps:
+        # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
+        indices = next(prompts_iter)
+        p_ids, p_mask, c_ids, c_mask, finished = generate(
+            accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length,
+            args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+        prompt_width = p_ids.shape[1]
+        episode += args.generation_batch_size
+
+        # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----
+        texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+        batch_prompts = [rows[i]["prompt"] for i in indices]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(batch_prompts, texts)]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
+        rewards = rewards.to(accelerator.device)
+        if args.missing_eos_penalty is not None:
+            rewards = rewards - args.missing_eos_penalty * (~finished).float()
+
+        # ---- ADVANTAGES: relative to the group, over the global batch ----
+        all_rewards = accelerator.gather(rewards)
+        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+        loss_mask = c_mask.float() * (finished.float()[:, None] if args.mask_truncated_completions else 1.0)
+        # dapo: normalise by the tokens of the whole global batch; backward() divides by the
+        # accumulation steps and DDP averages over processes, so scale to one micro-batch
+        num_items = accelerator.reduce(loss_mask.sum(), "sum") / (args.gradient_accumulation_steps * args.world_size)
+        micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
+                 for m in range(args.gradient_accumulation_steps)]
+        with torch.no_grad():
+            old_logps = ref_logps = [None] * len(micro)
+            if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
+                old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+            if ref_model is not None:
+                ref_logps = [completion_logps(ref_model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+
+        # ---- UPDATE: num_iterations optimizer steps over this generation batch ----
+        for _ in range(args.num_iterations):
+            if step >= args.num_steps:
+                break
+            stats = torch.zeros(6, device=accelerator.device)  # loss, kl, entropy, clip low, high, region
+            for m, s in enumerate(micro):
+                with accelerator.accumulate(model):
+                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width)
+                    old = old_logps[m] if old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
+                    loss, ratio = grpo_loss(logps, old, ref_logps[m], advantages[s], loss_mask[s], args.loss_type,
+                                            args.epsilon, epsilon_high, args.beta, args.importance_sampling_level,
+                                            args.max_completion_length, num_items)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    mask, a = loss_mask[s], advantages[s][:, None]
+                    tokens = mask.sum().clamp(min=1)
+                    low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
+                    high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
+                    kl = 0.0
+                    if ref_model is not None:
+                        q = ref_logps[m] - logps.detach()
+                        kl = ((torch.exp(q) - q - 1) * mask).sum() / tokens
+                    stats += torch.stack([loss.detach(), torch.as_tensor(kl, device=mask.device), (entropy * mask).sum() / tokens,
+                                          (low * mask).sum() / tokens, (high * mask).sum() / tokens,
+                                          ((low + high) * mask).sum() / tokens])
+            scheduler.step()
+            tracker.step()
+            step += 1
+
+            # ---- LOG ----
+            loss, kl, entropy, clip_low, clip_high, clip_region = (
+                accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
+            lengths = accelerator.gather(c_mask.sum(1).float())
+            grouped_std = all_rewards.view(-1, args.num_generations).std(dim=1)
+            metrics = {"loss": loss, "reward": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+                       "completions/mean_length": lengths.mean().item(),
+                       "completions/clipped_ratio": 1 - accelerator.gather(finished.float()).mean().item(),
+                       "frac_reward_zero_std": (grouped_std < 1e-6).float().mean().item(), "entropy": entropy,
+                       "clip_ratio/low_mean": clip_low, "clip_ratio/high_mean": clip_high,
+                       "clip_ratio/region_mean": clip_region, "grad_norm": float(grad_norm),
+                       "lr": scheduler.get_last_lr()[0], "episode": episode,
+                       "eps": episode / (time.time() - start_time)}
+            for name, values in per_source.items():
+                metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+            if ref_model is not None:
+                metrics["kl"] = kl
+            if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
+                metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
+            if step % args.eval_steps == 0 or step == 1:
+                tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": r}
+                                     for p, t, r in zip(batch_prompts, texts, rewards.tolist())][:args.num_sample_generations], step)
+            tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

@@ -1,0 +1,355 @@
+"""REINFORCE Leave-One-Out (RLOO): online RL whose baseline is the other samples of the same prompt.
+
+RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+from Human Feedback in LLMs") samples k completions per prompt. The reward of a completion is its
+score minus a KL penalty to the reference (Ziegler et al. 2019), and its baseline is the mean
+reward of the other k - 1 completions, an unbiased baseline that needs no value network:
+
+    R_i = score_i - kl_coef * sum_t (log pi_old(o_t) - log pi_ref(o_t))      (sequence-level KL)
+    A_i = R_i - (sum_j R_j - R_i) / (k - 1)
+
+The update is the PPO clipped surrogate on per-token ratios against the sampling-time logprobs,
+num_ppo_epochs passes of num_mini_batches optimizer steps each. With --token_level_kl the KL
+penalty is a per-token reward and each token's advantage uses the return from that token on
+(REINFORCE++-style reward-to-go, Hu 2025). The EOS trick and reward normalisation follow the N+
+implementation details (Huang et al. 2024).
+
+    python algos/rloo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
+    accelerate launch algos/rloo.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --output_dir output/pythia-1b-rloo ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.generation import generate, shifted_logits, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.rewards import compute_rewards, load_reward_sources
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/rloo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model, data and rewards
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model"""
+    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_prompt_length: int = 512
+    """prompt tokens kept (from the end)"""
+    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
+    """reward models (sequence classifiers with one output), each with its own tokenizer"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    reward_weights: list[float] | None = None
+    """weight of each reward (models first, then functions; default all 1)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+
+    # sampling
+    rloo_k: int = 4
+    """k, completions sampled per prompt (each one's baseline is the mean of the other k - 1)"""
+    max_completion_length: int = 48
+    """tokens sampled per completion"""
+    temperature: float = 1.0
+    """sampling temperature; training logprobs use the same one"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 disables)"""
+    min_p: float = 0.0
+    """min-p sampling (0 disables)"""
+    repetition_penalty: float = 1.0
+    """HF repetition penalty (1 disables)"""
+
+    # algorithm
+    kl_coef: float = 0.05
+    """weight of the KL penalty subtracted from the reward"""
+    token_level_kl: bool = False
+    """KL penalty per token with reward-to-go advantages, instead of one sequence-level penalty"""
+    normalize_rewards: bool = False
+    """whiten the scores over the batch and clip them to +-reward_clip_range"""
+    reward_clip_range: float = 10.0
+    """clip range of normalised scores"""
+    normalize_advantages: bool = False
+    """whiten the advantages over the batch"""
+    cliprange: float = 0.2
+    """PPO clip range of the ratio"""
+    num_ppo_epochs: int = 2
+    """passes over each rollout batch"""
+    num_mini_batches: int = 1
+    """optimizer steps per pass (each of gradient_accumulation_steps micro-batches)"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "linear"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.0
+    """share of the optimizer steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 100
+    """rollout batches to sample and train on"""
+    per_device_train_batch_size: int = 32
+    """completions per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+
+    # evaluation
+    num_sample_generations: int = 4
+    """completions shown in the samples table every eval_steps"""
+    eval_steps: int = 25
+    """print a table of sampled completions with their scores every this many rollouts"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    rollout_batch_size: int = 0
+    """completions per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size"""
+    num_steps: int = 0
+    """optimizer steps of the run = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: leave-one-out advantages and the clipped surrogate
+# ---------------------------------------------------------------------------------------------
+def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """r_i - mean of the other k - 1 rewards of its group; groups are consecutive runs of k."""
+    grouped = rewards.view(-1, k)
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baseline).flatten()
+
+
+def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float, k: int):
+    """Per-token advantages [N, T]: token rewards -kl_coef * kl_t plus the score at the last real
+    token; a token's return sums the rewards from it on; the baseline is the leave-one-out mean of
+    the other samples' whole-sequence returns."""
+    rewards = -kl_coef * kl * mask
+    last = (mask.sum(dim=1) - 1).clamp(min=0).long()
+    rewards[torch.arange(len(scores)), last] += scores
+    returns = rewards.flip(1).cumsum(1).flip(1)  # reward-to-go
+    grouped = returns[:, 0].view(-1, k)
+    baseline = ((grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)).flatten()
+    return (returns - baseline[:, None]) * mask
+
+
+def rloo_loss(logps, old_logps, advantages, mask, cliprange: float):
+    """PPO clipped surrogate, mean over the micro-batch's completion tokens. advantages: [B] or [B, T].
+    Returns (loss, ratio, whether each token was clipped)."""
+    ratio = torch.exp(logps - old_logps)
+    a = advantages if advantages.dim() == 2 else advantages[:, None]
+    unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = (torch.max(unclipped, clipped) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, ratio, clipped > unclipped
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / std over the (masked) entries."""
+    if mask is None:
+        return (values - values.mean()) / (values.std() + 1e-8)
+    mean = (values * mask).sum() / mask.sum()
+    var = (((values - mean) * mask) ** 2).sum() / (mask.sum() - 1).clamp(min=1)
+    return (values - mean) / (var.sqrt() + 1e-8) * mask
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    # ---- batch sizes: checked before anything loads ----
+    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.rollout_batch_size = local_size * args.world_size
+    if args.rloo_k < 2 or args.rollout_batch_size % args.rloo_k:
+        raise UserError(
+            f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x {args.world_size} processes "
+            f"= {args.rollout_batch_size} completions per rollout, which must be a multiple of rloo_k {args.rloo_k} (>= 2)")
+    args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+    mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    # ---- model, data and rewards ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
+    rows = list(dataset)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    model = load_policy(args.model_name_or_path, tokenizer)
+    # frozen, in eval mode (no dropout), never wrapped for DDP
+    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.max_steps)
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
+                      f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
+                      "each; rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
+
+    def prompt_batches():
+        """Endless: the global rollout's prompts, each repeated rloo_k times (the same on every
+        rank), then this rank's contiguous share, so a group may span ranks."""
+        rng = random.Random(args.seed)
+        per_batch = args.rollout_batch_size // args.rloo_k
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_batch + 1, per_batch):
+                repeated = [i for i in order[start:start + per_batch] for _ in range(args.rloo_k)]
+                yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+
+    def completion_logps(policy, input_ids, attention_mask, prompt_width):
+        """Per-token logprobs (at the sampling temperature) and entropies of the completion part."""
+        logits = shifted_logits(policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
+        with torch.no_grad():
+            dist = torch.log_softmax(logits.float() / args.temperature, dim=-1)
+            entropy = -(dist.exp() * dist).sum(-1)
+        return logps, entropy
+
+    def no_grad_logps(policy, input_ids, attention_mask, prompt_width):
+        with torch.no_grad():
+            return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
+                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width)[0]
+                              for i in range(0, len(input_ids), args.per_device_train_batch_size)])
+
+    prompts_iter = prompt_batches()
+    shuffler = torch.Generator().manual_seed(args.seed + accelerator.process_index)
+    start_time, episode = time.time(), 0
+    for step in range(1, args.max_steps + 1):
+        # ---- ROLLOUT: sample rloo_k completions per prompt; sampling-time and reference logprobs ----
+        indices = next(prompts_iter)
+        p_ids, p_mask, c_ids, c_mask, finished = generate(
+            accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length,
+            args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+        prompt_width, mask = p_ids.shape[1], c_mask.float()
+        episode += args.rollout_batch_size
+        old_logps = no_grad_logps(model, input_ids, attention_mask, prompt_width) * mask
+        ref_logps = no_grad_logps(ref_model, input_ids, attention_mask, prompt_width) * mask
+
+        # ---- SCORE: reward models and functions on the text; the EOS trick ----
+        texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+        batch_prompts = [rows[i]["prompt"] for i in indices]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(batch_prompts, texts)]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
+        scores = scores.to(accelerator.device)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~finished).float()
+
+        # ---- REWARDS and ADVANTAGES: score minus the KL penalty, leave-one-out baseline, over
+        # the global batch (a prompt's k samples may sit on different ranks) ----
+        all_scores, kl = accelerator.gather(scores), accelerator.gather(old_logps - ref_logps)
+        all_mask = accelerator.gather(mask)
+        if args.normalize_rewards:
+            all_scores = whiten(all_scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+        non_score_reward = -args.kl_coef * kl.sum(1)
+        rlhf_reward = all_scores + non_score_reward
+        if args.token_level_kl:
+            advantages = token_level_advantages(all_scores, kl, all_mask, args.kl_coef, args.rloo_k)
+            if args.normalize_advantages:
+                advantages = whiten(advantages, all_mask)
+        else:
+            advantages = rloo_advantages(rlhf_reward, args.rloo_k)
+            if args.normalize_advantages:
+                advantages = whiten(advantages)
+        advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+
+        # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
+        stats = torch.zeros(5, device=accelerator.device)  # loss, approx kl, clip fraction, ratio, ratio^2
+        entropy_sum = torch.zeros((), device=accelerator.device)
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(local_size, generator=shuffler).to(accelerator.device)
+            for start in range(0, local_size, mini_size):
+                for micro_start in range(start, start + mini_size, args.per_device_train_batch_size):
+                    idx = order[micro_start:micro_start + args.per_device_train_batch_size]
+                    with accelerator.accumulate(model):
+                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width)
+                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx], args.cliprange)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    with torch.no_grad():
+                        m, tokens = mask[idx], mask[idx].sum().clamp(min=1)
+                        log_ratio = (logps.detach() - old_logps[idx]) * m
+                        ratio = ratio.detach() * m
+                        stats += torch.stack([loss.detach(), 0.5 * (log_ratio ** 2).sum() / tokens,
+                                              (clipped.float() * m).sum() / tokens, ratio.sum() / tokens,
+                                              (ratio ** 2).sum() / tokens])
+                        if epoch == 0:
+                            entropy_sum += (entropy * m).sum()
+                scheduler.step()
+        tracker.step()
+
+        # ---- LOG (TRL's RLOO names) ----
+        n_micro = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
+        loss, approxkl, clipfrac, ratio_mean, ratio_sq = (accelerator.reduce(stats, "mean") / n_micro).tolist()
+        metrics = {"objective/kl": kl.sum(1).mean().item(),
+                   "objective/entropy": (accelerator.reduce(entropy_sum, "sum") / len(all_scores)).item(),
+                   "objective/non_score_reward": non_score_reward.mean().item(),
+                   "objective/rlhf_reward": rlhf_reward.mean().item(), "objective/scores": all_scores.mean().item(),
+                   "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": clipfrac, "loss/policy_avg": loss,
+                   "val/ratio": ratio_mean, "val/ratio_var": ratio_sq - ratio_mean ** 2,
+                   "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
+                   "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float(grad_norm),
+                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
+        for name, values in per_source.items():
+            metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
+            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
+        if step % args.eval_steps == 0 or step == 1:
+            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": r}
+                                 for p, t, r in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
+        tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

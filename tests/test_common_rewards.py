@@ -1,0 +1,67 @@
+"""common/rewards.py: reward models and functions, weights, None, columns, and clear errors."""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from common.rewards import compute_rewards, load_reward_sources, score_with_model
+from common.runtime import UserError
+
+
+@pytest.fixture()
+def reward_module(monkeypatch):
+    """A module of reward functions importable as `toy_mod:<name>`."""
+    module = types.ModuleType("toy_mod")
+    module.length = lambda prompts, completions, **kw: [float(len(c)) for c in completions]
+    module.sometimes = lambda prompts, completions, **kw: [None if c.startswith("x") else 10.0 for c in completions]
+    module.columns = lambda prompts, completions, topic, **kw: [float(t == "cats") for t in topic]
+    module.short = lambda prompts, completions, **kw: [1.0]
+    module.broken = lambda prompts, completions, **kw: 1 / 0
+    monkeypatch.setitem(sys.modules, "toy_mod", module)
+    return module
+
+
+def test_weights_none_and_columns(reward_module):
+    sources, weights = load_reward_sources([], ["toy_mod:length", "toy_mod:sometimes", "toy_mod:columns"],
+                                           [0.5, 1.0, 2.0], "cpu")
+    total, per_source = compute_rewards(sources, weights, ["p", "p"], ["ab", "xyz"], {"topic": ["cats", "dogs"]})
+    # "ab": 0.5*2 + 10 + 2*1 = 13; "xyz": 0.5*3 + (None: left out) + 2*0 = 1.5
+    assert total.tolist() == [13.0, 1.5]
+    assert math.isnan(per_source["sometimes"][1]) and per_source["length"].tolist() == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("spec,weights,message", [
+    ("toy_mod:short", None, "returned 1 values for 2 completions"),
+    ("toy_mod:broken", None, "reward function 'broken' raised ZeroDivisionError"),
+])
+def test_bad_reward_functions_are_one_line_errors(reward_module, spec, weights, message):
+    sources, weights = load_reward_sources([], [spec], weights, "cpu")
+    with pytest.raises(UserError, match=message):
+        compute_rewards(sources, weights, ["p", "p"], ["a", "b"], {})
+
+
+def test_reward_source_errors(reward_module):
+    with pytest.raises(UserError, match="could not import reward function 'toy_mod:missing'"):
+        load_reward_sources([], ["toy_mod:missing"], None, "cpu")
+    with pytest.raises(UserError, match="no reward"):
+        load_reward_sources([], [], None, "cpu")
+    with pytest.raises(UserError, match="2 reward_weights for 1 rewards"):
+        load_reward_sources([], ["toy_mod:length"], [1.0, 2.0], "cpu")
+
+
+def test_reward_model_reads_prompt_completion_eos_left_truncated(tiny_model, tokenizer):
+    from common.models import load_reward_model
+
+    torch.manual_seed(0)
+    model = load_reward_model(tiny_model, tokenizer).eval()
+    prompt, completion = "TITLE: a b c\n\nTL;DR:", " my dad ate my cake"
+    ids = tokenizer(prompt).input_ids + tokenizer(completion).input_ids + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        direct = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        cut = model(input_ids=torch.tensor([ids[-5:]])).logits[0, 0].item()
+    assert score_with_model(model, tokenizer, [prompt, "x"], [completion, " y"]).tolist()[0] == pytest.approx(direct, abs=1e-5)
+    tokenizer.model_max_length = 5  # the start of the prompt is dropped, the completion kept
+    assert score_with_model(model, tokenizer, [prompt], [completion]).item() == pytest.approx(cut, abs=1e-5)

@@ -1,0 +1,10 @@
+"""Reward functions the tests name on the command line (`--reward_funcs tests.toy_rewards:short`)."""
+
+
+def short(prompts, completions, **columns):
+    """Fewer words is better: a reward any policy can raise by stopping earlier."""
+    return [-float(len(c.split())) for c in completions]
+
+
+def zero(prompts, completions, **columns):
+    return [0.0] * len(completions)
