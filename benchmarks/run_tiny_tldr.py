@@ -1,7 +1,8 @@
-"""The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, DPO and KTO
-from the SFT model, then the numbers: gold win rate of each policy against the reference summaries,
-the reward model's held-out preference accuracy, and training seconds per step. Writes
-benchmarks/results/tiny_tldr.md.
+"""The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, then DPO and
+KTO from the SFT model on the preference pairs, GRPO and RLOO from the SFT model with the reward
+model; then the numbers: gold win rate of each policy against the reference summaries, the reward
+model's held-out preference accuracy, the online runs' reward at the start and end of training, and
+training seconds per step. Writes benchmarks/results/tiny_tldr.md.
 
     python benchmarks/run_tiny_tldr.py
 """
@@ -43,14 +44,26 @@ def last_log(output_dir: str) -> dict:
     return merged
 
 
-def seconds_per_step(output_dir: str) -> float:
-    """Median time between consecutive logged steps of the newest run: one training step, without
-    the evaluations that some steps also run."""
+def step_records(output_dir: str) -> list[dict]:
+    """The training-step records of the newest run logged in `<output_dir>/logs`."""
     logs = os.path.join(output_dir, "logs")
     newest = max((f for f in os.listdir(logs) if f.endswith(".jsonl")),
                  key=lambda f: os.path.getmtime(os.path.join(logs, f)))
     with open(os.path.join(logs, newest)) as f:
-        times = {r["step"]: r["time"] for r in map(json.loads, f) if "loss" in r}
+        return [r for r in map(json.loads, f) if "lr" in r]
+
+
+def reward_curve(output_dir: str, key: str) -> str:
+    """Mean of `key` over the first and the last tenth of the steps: 'start -> end'."""
+    values = [r[key] for r in step_records(output_dir)]
+    n = max(1, len(values) // 10)
+    return f"{statistics.mean(values[:n]):.2f} -> {statistics.mean(values[-n:]):.2f}"
+
+
+def seconds_per_step(output_dir: str) -> float:
+    """Median time between consecutive logged steps of the newest run: one training step, without
+    the evaluations that some steps also run."""
+    times = {r["step"]: r["time"] for r in step_records(output_dir)}
     steps = sorted(times)
     return statistics.median(times[b] - times[a] for a, b in zip(steps, steps[1:]))
 
@@ -76,24 +89,30 @@ def main(args: Args):
     for name in ("dpo", "kto"):
         times[name] = stage(name.upper(), f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
                             "--output_dir", out(name))
+    for name in ("grpo", "rloo"):
+        times[name] = stage(name.upper(), f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
+                            "--reward_model_paths", out("reward"), "--output_dir", out(name))
     total = time.time() - start
 
-    def policy_row(title, name):
+    def policy_row(title, name, batch, curve=""):
         log = last_log(out(name))
         return (f"| {title} | **{log['gold/win_rate']:.1%} ± {log['gold/win_rate_ci']:.1%}** | {log['gold/score']:.2f} "
-                f"| {log['gold/mean_length']:.1f} | {seconds_per_step(out(name)):.3f} | {times[name]:.0f} |")
+                f"| {log['gold/mean_length']:.1f} | {curve} | {seconds_per_step(out(name)):.3f} ({batch}) | {times[name]:.0f} |")
 
     rm = last_log(out("reward"))
     rows = [
-        "| stage | gold win rate vs references | mean gold score | length (tokens) | s/step (batch 16) | wall time (s) |",
-        "|---|---|---|---|---|---|",
-        f"| tiny base model + data | | | | | {times['base']:.0f} |",
-        policy_row("SFT", "sft"),
-        f"| reward model | (held-out preference accuracy: **{rm['eval_accuracy']:.1%}**) | | | "
-        f"{seconds_per_step(out('reward')):.3f} | {times['reward']:.0f} |",
-        policy_row("DPO (sigmoid)", "dpo"),
-        policy_row("KTO", "kto"),
-        f"| total | | | | | {total:.0f} |",
+        "| stage | gold win rate vs references | mean gold score | length (tokens) | RM reward of samples, first -> last tenth | s/step (batch) | wall time (s) |",
+        "|---|---|---|---|---|---|---|",
+        f"| tiny base model + data | | | | | | {times['base']:.0f} |",
+        policy_row("SFT", "sft", "16 examples"),
+        f"| reward model | (held-out preference accuracy: **{rm['eval_accuracy']:.1%}**) | | | | "
+        f"{seconds_per_step(out('reward')):.3f} (16 pairs) | {times['reward']:.0f} |",
+        policy_row("DPO (sigmoid)", "dpo", "16 pairs"),
+        policy_row("KTO", "kto", "16 rows"),
+        policy_row("GRPO (dapo loss, beta 0.04)", "grpo", "32 samples", reward_curve(out("grpo"), "reward")),
+        policy_row("RLOO (k 4, 2 PPO epochs)", "rloo", "32 samples x 2 epochs",
+                   reward_curve(out("rloo"), "objective/scores")),
+        f"| total | | | | | | {total:.0f} |",
     ]
     header = (f"Tiny TL;DR, produced {datetime.date.today()} by `python benchmarks/run_tiny_tldr.py` "
               f"(seed {args.seed}) on {os.cpu_count()} CPU cores ({platform.machine()}). Win rate: share "
