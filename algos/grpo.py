@@ -272,7 +272,7 @@ def main(args: Args):
         loss_mask = c_mask.float() * (finished.float()[:, None] if args.mask_truncated_completions else 1.0)
         # dapo: normalise by the tokens of the whole global batch; backward() divides by the
         # accumulation steps and DDP averages over processes, so scale to one micro-batch
-        num_items = accelerator.reduce(loss_mask.sum(), "sum") / (args.gradient_accumulation_steps * args.world_size)
+        num_items = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1) / (args.gradient_accumulation_steps * args.world_size)
         micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
                  for m in range(args.gradient_accumulation_steps)]
         with torch.no_grad():

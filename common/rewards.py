@@ -27,14 +27,8 @@ def load_reward_sources(model_paths: list[str], function_specs: list[str], weigh
         tokenizer = load_tokenizer(path)
         model = load_reward_model(path, tokenizer).eval().requires_grad_(False).to(device)
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
-    if function_specs and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `python algos/x.py` puts algos/, not the working directory, on the path
     for spec in function_specs:
-        module, _, name = spec.partition(":")
-        try:
-            sources.append((name, getattr(importlib.import_module(module), name), None))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise UserError(f"could not import reward function '{spec}' (expected module:function): {e}") from None
+        sources.append((spec.partition(":")[2], import_function(spec), None))
     if not sources:
         raise UserError("no reward: pass --reward_model_paths and/or --reward_funcs")
     weights = [1.0] * len(sources) if weights is None else list(weights)
@@ -44,6 +38,17 @@ def load_reward_sources(model_paths: list[str], function_specs: list[str], weigh
     names = [name for name, _, _ in sources]
     sources = [(f"{name}_{i}" if names.count(name) > 1 else name, fn, tok) for i, (name, fn, tok) in enumerate(sources)]
     return sources, weights
+
+
+def import_function(spec: str, what: str = "reward function"):
+    """The function named by `module:function`; modules are also found from the working directory."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `python algos/x.py` puts algos/, not the working directory, on the path
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UserError(f"could not import {what} '{spec}' (expected module:function): {e}") from None
 
 
 @torch.no_grad()

@@ -8,3 +8,8 @@ def short(prompts, completions, **columns):
 
 def zero(prompts, completions, **columns):
     return [0.0] * len(completions)
+
+
+def prefer_shorter(prompts, completion_pairs):
+    """A pairwise judge: index of the completion with fewer words (ties: the first)."""
+    return [int(len(b.split()) < len(a.split())) for a, b in completion_pairs]

@@ -1,0 +1,289 @@
+"""Online DPO: DPO on pairs the current policy samples and a reward model (or judge) ranks.
+
+Online AI Feedback (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"):
+offline DPO learns from pairs sampled by another model, which drift off-policy as training moves
+on. Here every step samples two completions per prompt from the current policy, a reward model,
+reward functions or a pairwise judge picks the better one, and the DPO loss (Rafailov et al. 2023)
+against the frozen reference follows:
+
+    h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]
+    sigmoid: -log sigmoid(beta * h)          ipo: (h - 1 / (2 beta))^2   (Azar et al. 2023)
+
+The EOS trick of the N+ implementation details (Huang et al. 2024) applies: completions that did
+not stop lose `missing_eos_penalty` before the ranking.
+
+    python algos/online_dpo.py    # tiny TL;DR prompts, policy output/sft, reward model output/reward
+    accelerate launch algos/online_dpo.py --model_name_or_path output/pythia-1b-sft \
+        --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --learning_rate 5e-7 \
+        --beta 0.1 --max_new_tokens 53 --missing_eos_penalty 1.0 --output_dir output/pythia-1b-online-dpo ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.generation import generate, shifted_logits, token_logprobs
+from common.models import load_policy, load_tokenizer
+from common.rewards import compute_rewards, import_function, load_reward_sources
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/online_dpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+
+    # model, data and ranking
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model; also the frozen reference"""
+    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_length: int = 512
+    """prompt + completion tokens: prompts lose their start to leave max_new_tokens for the completion"""
+    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
+    """reward models (sequence classifiers with one output) that score each completion"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    reward_weights: list[float] | None = None
+    """weight of each reward (models first, then functions; default all 1)"""
+    judge: str | None = None
+    """pairwise judge `module:function(prompts, completion_pairs) -> list[int]` (index of the better
+    completion); replaces the rewards"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of completions that did not stop (N+ detail: the EOS trick)"""
+
+    # sampling
+    max_new_tokens: int = 48
+    """tokens sampled per completion"""
+    temperature: float = 0.9
+    """sampling temperature (the DPO loss itself uses the policy's logprobs at temperature 1)"""
+
+    # algorithm
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO loss on the sampled pair"""
+    beta: list[float] = field(default_factory=lambda: [0.1])
+    """KL strength; a list gives one value per epoch (the last one is kept afterwards)"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "linear"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.0
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 150
+    """optimizer steps to run"""
+    per_device_train_batch_size: int = 16
+    """prompts per micro-batch per process (two completions each)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+
+    # evaluation
+    num_sample_generations: int = 4
+    """pairs shown in the samples table every eval_steps"""
+    eval_steps: int = 50
+    """print a table of sampled pairs with their scores every this many steps"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: pick the pair, then the DPO loss
+# ---------------------------------------------------------------------------------------------
+def select_chosen(scores: torch.Tensor) -> torch.Tensor:
+    """Index (0 or 1) of the chosen completion of each pair from scores [B, 2]; a tie goes to 0."""
+    return (scores[:, 1] > scores[:, 0]).long()
+
+
+def online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
+                    loss_type: str = "sigmoid"):
+    """Per-pair losses and implicit rewards beta * log(pi / pi_ref) (detached); logps are sums
+    over completion tokens."""
+    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    args.num_steps = args.max_steps
+    if args.max_new_tokens >= args.max_length:
+        raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt under max_length {args.max_length}")
+
+    # ---- model, data and ranking ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
+    rows = list(dataset)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
+    steps_per_epoch = max(1, len(rows) // args.total_batch_size)
+    model = load_policy(args.model_name_or_path, tokenizer)
+    # frozen, in eval mode (no dropout), never wrapped for DDP
+    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
+    judge = None
+    if args.judge:
+        judge = import_function(args.judge, "judge")
+    else:
+        sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
+                                               accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.num_steps)
+    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions; "
+                      f"ranked by {'judge ' + args.judge if judge else ', '.join(n for n, _, _ in sources)}")
+
+    def prompt_batches():
+        """Endless shuffled micro-batches of this process's share of each global batch (row indices)."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        per_step = args.per_device_train_batch_size * args.world_size
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_step + 1, per_step):
+                yield order[start:start + per_step][accelerator.process_index::args.world_size]
+
+    def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, prompt_width):
+        """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
+        logits = shifted_logits(policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
+
+    batches = prompt_batches()
+    start_time, episode = time.time(), 0
+    for step in range(1, args.num_steps + 1):
+        beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
+        stats = torch.zeros(12, device=accelerator.device)
+        for _ in range(args.gradient_accumulation_steps):
+            # ---- ROLLOUT: two completions per prompt from the current policy ----
+            indices = next(batches)
+            pair_indices = [i for i in indices for _ in range(2)]  # rows 2j and 2j + 1 share prompt j
+            p_ids, p_mask, c_ids, c_mask, finished = generate(
+                accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in pair_indices],
+                args.max_new_tokens, args.temperature)
+            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+            prompt_width = p_ids.shape[1]
+            episode += len(pair_indices) * args.world_size
+
+            # ---- SCORE and RANK: chosen = the higher score (ties: the first sample) ----
+            texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+            prompts = [rows[i]["prompt"] for i in pair_indices]
+            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                           for p, t in zip(prompts, texts)]
+            if judge is not None:
+                picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
+                if len(picks) != len(indices) or any(p not in (0, 1) for p in picks):
+                    raise UserError(f"judge '{args.judge}' must return 0 or 1 for each of the {len(indices)} pairs")
+                # a judge ranks without scores: the pick scores 1, the other 0
+                scores = torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten().to(accelerator.device)
+            else:
+                scores = compute_rewards(sources, weights, prompts, completions,
+                                         {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"})[0]
+                scores = scores.to(accelerator.device)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~finished).float()
+            pairs = scores.view(-1, 2)
+            chosen_idx = select_chosen(pairs)
+            rows_c = torch.arange(len(indices), device=accelerator.device) * 2 + chosen_idx
+            rows_r = torch.arange(len(indices), device=accelerator.device) * 2 + 1 - chosen_idx
+
+            # ---- UPDATE: the DPO loss on (chosen, rejected) against the reference ----
+            with accelerator.accumulate(model):
+                logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width)
+                with torch.no_grad():
+                    ref_logps = sequence_logps(ref_model, input_ids, attention_mask, c_ids, c_mask, prompt_width)
+                losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
+                                                             ref_logps[rows_r], beta, args.loss_type)
+                loss = losses.mean()
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            kl = (logps.detach() - ref_logps).view(-1, 2).mean(1)  # per prompt, over its two samples
+            scores_by_pair = pairs.gather(1, torch.stack([chosen_idx, 1 - chosen_idx], 1))
+            stats += torch.stack([
+                loss.detach(), kl.mean(), -logps.detach().mean(), pairs.mean(), (scores_by_pair[:, 0] - scores_by_pair[:, 1]).mean(),
+                reward_c.mean(), reward_r.mean(), (reward_c > reward_r).float().mean(), logps.detach()[rows_c].mean(),
+                logps.detach()[rows_r].mean(), finished.float().mean(), (pairs.mean(1) - beta * kl).mean()])
+        scheduler.step()
+        tracker.step()
+
+        # ---- LOG (TRL's online DPO names) ----
+        (loss, kl, entropy, score, margin, r_c, r_r, acc, lp_c, lp_r, eos, rlhf) = (
+            accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
+        metrics = {"loss": loss, "objective/kl": kl, "objective/entropy": entropy, "objective/non_score_reward": -beta * kl,
+                   "objective/rlhf_reward": rlhf, "objective/scores": score, "objective/scores_margin": margin,
+                   "rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": acc, "rewards/margins": r_c - r_r,
+                   "logps/chosen": lp_c, "logps/rejected": lp_r, "val/contain_eos_token": eos, "beta": beta,
+                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
+                   "eps": episode / (time.time() - start_time)}
+        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
+            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(prompts, texts)) / len(texts)
+        if step % args.eval_steps == 0 or step == 1:
+            tracker.log_samples([{"prompt": str(prompts[2 * j])[-80:], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
+                                  "margin": float(scores_by_pair[j, 0] - scores_by_pair[j, 1])}
+                                 for j in range(min(args.num_sample_generations, len(indices)))], step)
+        tracker.log(metrics, step)
+
+    # ---- SAVE and final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

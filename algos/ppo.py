@@ -1,0 +1,368 @@
+"""Proximal Policy Optimization for RLHF, with the N+ implementation details.
+
+RLHF with PPO (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences";
+Stiennon et al. 2020, "Learning to summarize from human feedback") as reproduced on TL;DR by Huang
+et al. 2024, "The N+ Implementation Details of RLHF with PPO". Each rollout samples responses,
+scores them with a frozen reward model, turns the score into per-token rewards with a KL penalty
+to the frozen SFT reference, estimates advantages with GAE from a learned value model, and takes
+clipped PPO steps:
+
+    r_t = -kl_coef * (log pi_old(o_t) - log pi_ref(o_t))  (+ score at the last token)
+    A_t = GAE(gamma, lambda) over r_t and V,   returns_t = A_t + V_t
+    loss = max(-A ratio, -A clip(ratio, 1 +- eps)) + vf_coef * 0.5 max((V - R)^2, (V_clip - R)^2)
+
+N+ details are marked `N+ detail` where they are implemented.
+
+    python algos/ppo.py      # tiny TL;DR prompts, policy output/sft, reward and value model from output/reward
+    accelerate launch algos/ppo.py --model_name_or_path output/pythia-1b-sft --reward_model_path output/pythia-1b-rm \
+        --dataset_name trl-lib/tldr --output_dir output/pythia-1b-ppo --learning_rate 3e-6 ...
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from benchmarks import tiny_tldr
+from common.checkpoint import save_model
+from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.generation import generate, token_logprobs
+from common.models import load_policy, load_reward_model, load_tokenizer
+from common.rewards import compute_rewards, load_reward_sources
+from common.runtime import UserError, exit_on_user_error, setup
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    # general
+    seed: int = 1
+    """seed of the run (each process adds its rank)"""
+    output_dir: str = "output/ppo"
+    """where the policy, tokenizer and logs/<run_name>.jsonl are written"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    logging_steps: int = 10
+    """print metrics every this many rollouts (all go to the JSONL file)"""
+
+    # models and data
+    model_name_or_path: str = "output/sft"
+    """policy to start from (the SFT model), also the frozen reference"""
+    reward_model_path: str = "output/reward"
+    """frozen reward model; the value model starts as a copy of it (N+ detail)"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """extra reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    reward_weights: list[float] | None = None
+    """weight of each reward (the reward model first, then functions; default all 1)"""
+    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    """data with a prompt column (standard or conversational)"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_prompt_length: int = 512
+    """prompt tokens kept (from the end)"""
+
+    # rollout
+    response_length: int = 48
+    """tokens sampled per response"""
+    temperature: float = 0.7
+    """sampling temperature; training logits are divided by it too (N+ detail)"""
+    stop_token: Literal["eos", "none"] = "eos"
+    """truncate responses after the first EOS and pad the rest (N+ detail), or keep all tokens"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses without EOS (the EOS trick, N+ detail)"""
+    penalty_reward_value: float | None = None
+    """replaces the score of responses without EOS (the original EOS trick; overrides missing_eos_penalty)"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per no-grad forward pass during the rollout"""
+
+    # algorithm
+    kl_coef: float = 0.05
+    """weight of the per-token KL penalty in the reward"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL: k1 = log pi - log pi_ref, or k3 = exp(-k1) + k1 - 1 (always >= 0)"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards over the batch before GAE"""
+    gamma: float = 1.0
+    """discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.2
+    """value clip range"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    num_ppo_epochs: int = 4
+    """passes over each rollout batch"""
+    num_mini_batches: int = 1
+    """optimizer steps per pass"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW (policy and value model)"""
+    lr_scheduler_type: str = "linear"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 100
+    """rollouts to sample and train on"""
+    per_device_train_batch_size: int = 32
+    """responses per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+
+    # evaluation
+    num_sample_generations: int = 4
+    """responses shown in the samples table every eval_steps"""
+    eval_steps: int = 25
+    """print a table of sampled responses with their scores every this many rollouts"""
+    gold_eval_split: str = "test"
+    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    rollout_batch_size: int = 0
+    """responses per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size"""
+    num_steps: int = 0
+    """optimizer steps = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: reward shaping, GAE, whitening and the clipped losses
+# ---------------------------------------------------------------------------------------------
+def shape_rewards(logps, ref_logps, scores, mask, kl_coef: float, kl_estimator: str = "k1"):
+    """Per-token rewards [B, T]: -kl_coef * KL_t on every response token, plus the score at the
+    last real token. Returns (rewards, per-token KL)."""
+    k1 = (logps - ref_logps) * mask
+    kl = k1 if kl_estimator == "k1" else (torch.exp(-k1) + k1 - 1) * mask
+    rewards = -kl_coef * kl
+    last = (mask.sum(dim=1) - 1).clamp(min=0).long()
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl
+
+
+def gae(rewards, values, gamma: float, lam: float):
+    """Generalized Advantage Estimation (Schulman et al. 2016), backwards over time:
+    delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1}. Values and rewards must
+    be 0 past each response's end. Returns (advantages, returns = advantages + values)."""
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+    return advantages, advantages + values
+
+
+def whiten(values, mask, shift_mean: bool = True):
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (for rewards)."""
+    mean = (values * mask).sum() / mask.sum()
+    var = (((values - mean) * mask) ** 2).sum() / (mask.sum() - 1).clamp(min=1)
+    white = (values - mean) * torch.rsqrt(var + 1e-8)
+    return (white if shift_mean else white + mean) * mask
+
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(logps, old_logps, advantages, mask, cliprange: float):
+    """Clipped surrogate (loss, clip fraction, approx KL 0.5 (log ratio)^2), masked token means."""
+    ratio = torch.exp(logps - old_logps)
+    unclipped, clipped = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    return loss, masked_mean((clipped > unclipped).float(), mask), masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value: float):
+    """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) (masked mean) and its clip fraction."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    losses, losses_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), masked_mean((losses_clipped > losses).float(), mask)
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Policy and value model in one module, so that one DDP wrapper syncs both gradients."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
+        """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        backbone = getattr(self.value_model, self.value_model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        values = self.value_model.score(hidden).squeeze(-1)
+        return logits[:, prompt_width - 1:-1] / temperature, values[:, prompt_width - 1:-1].float()
+
+
+def main(args: Args):
+    accelerator = setup(args)
+    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.rollout_batch_size = local_size * args.world_size
+    args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+    mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    # ---- models and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
+    rows = list(dataset)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    policy = load_policy(args.model_name_or_path, tokenizer)
+    # N+ detail: the value model is initialised from the reward model (a separate network)
+    reward_tokenizer = load_tokenizer(args.reward_model_path)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
+    value_model = load_reward_model(args.reward_model_path, reward_tokenizer)
+    # frozen, in eval mode (no dropout), never wrapped for DDP
+    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
+    sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
+                                           accelerator.device)
+    model = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker = Tracker(args, accelerator, args.max_steps)
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
+                      f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
+
+    def prompt_batches():
+        """Endless shuffled batches of this process's share of each rollout's prompts."""
+        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - args.rollout_batch_size + 1, args.rollout_batch_size):
+                yield order[start:start + args.rollout_batch_size][accelerator.process_index::args.world_size]
+
+    @torch.no_grad()
+    def rollout_forward(input_ids, attention_mask, prompt_width, response_ids):
+        """Sampling-time logprobs, reference logprobs and values, in chunks (no gradients)."""
+        outs = []
+        for i in range(0, len(input_ids), args.local_rollout_forward_batch_size):
+            s = slice(i, i + args.local_rollout_forward_batch_size)
+            logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
+            position_ids = (attention_mask[s].cumsum(-1) - 1).clamp(min=0)
+            ref_logits = ref_model(input_ids=input_ids[s], attention_mask=attention_mask[s],
+                                   position_ids=position_ids).logits[:, prompt_width - 1:-1] / args.temperature
+            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s]), values))
+        return (torch.cat(x) for x in zip(*outs))
+
+    batches = prompt_batches()
+    shuffler = torch.Generator().manual_seed(args.seed + accelerator.process_index)
+    start_time, episode = time.time(), 0
+    for step in range(1, args.max_steps + 1):
+        # ---- ROLLOUT: sample responses; N+ detail: truncate after the first EOS, pad the rest ----
+        indices = next(batches)
+        policy_now = accelerator.unwrap_model(model).policy
+        p_ids, p_mask, r_ids, r_mask, finished = generate(
+            policy_now, tokenizer, [prompt_ids[i] for i in indices], args.response_length, args.temperature)
+        if args.stop_token == "none":
+            r_ids, r_mask = r_ids.masked_fill(r_mask == 0, tokenizer.eos_token_id), torch.ones_like(r_mask)
+        input_ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+        prompt_width, mask = p_ids.shape[1], r_mask.float()
+        episode += args.rollout_batch_size
+        old_logps, ref_logps, old_values = rollout_forward(input_ids, attention_mask, prompt_width, r_ids)
+        old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
+
+        # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail) ----
+        texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+        batch_prompts = [rows[i]["prompt"] for i in indices]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(batch_prompts, texts)]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        scores = compute_rewards(sources, weights, batch_prompts, completions, columns)[0].to(accelerator.device)
+        if args.penalty_reward_value is not None:
+            scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
+        elif args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~finished).float()
+
+        # ---- REWARDS and ADVANTAGES: KL-shaped rewards, GAE, whitened advantages ----
+        rewards, kl = shape_rewards(old_logps, ref_logps, scores, mask, args.kl_coef, args.kl_estimator)
+        if args.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, old_values, args.gamma, args.lam)
+        advantages = whiten(advantages, mask)  # N+ detail: advantage whitening over the batch
+
+        # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
+        stats = torch.zeros(8, device=accelerator.device)  # pg loss, vf loss, pg clip, vf clip, approx kl, entropy, ratio, ratio^2
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(local_size, generator=shuffler).to(accelerator.device)
+            for start in range(0, local_size, mini_size):
+                for micro_start in range(start, start + mini_size, args.per_device_train_batch_size):
+                    idx = order[micro_start:micro_start + args.per_device_train_batch_size]
+                    m = mask[idx]
+                    with accelerator.accumulate(model):
+                        logits, values = model(input_ids[idx], attention_mask[idx], prompt_width, args.temperature)
+                        logps = token_logprobs(logits, r_ids[idx])
+                        pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m, args.cliprange)
+                        vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m, args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    with torch.no_grad():
+                        dist = torch.log_softmax(logits.float(), dim=-1)
+                        entropy = masked_mean(-(dist.exp() * dist).sum(-1), m)
+                        r = masked_mean(ratio, m)
+                        stats += torch.stack([pg_loss.detach(), vf_loss.detach(), pg_clipfrac, vf_clipfrac, approxkl.detach(),
+                                              entropy, r, masked_mean(ratio.detach() ** 2, m)])
+                scheduler.step()
+        tracker.step()
+
+        # ---- LOG (TRL's PPO names) ----
+        n = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
+        pg, vf, pg_clip, vf_clip, approxkl, entropy, ratio_mean, ratio_sq = (accelerator.reduce(stats, "mean") / n).tolist()
+        seq_kl = accelerator.gather(kl.sum(1))
+        all_scores = accelerator.gather(scores)
+        metrics = {"objective/kl": seq_kl.mean().item(),
+                   "objective/entropy": accelerator.gather(-old_logps.sum(1)).mean().item(),
+                   "objective/non_score_reward": -args.kl_coef * seq_kl.mean().item(),
+                   "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
+                   "objective/scores": all_scores.mean().item(), "policy/approxkl_avg": approxkl,
+                   "policy/clipfrac_avg": pg_clip, "loss/policy_avg": pg, "loss/value_avg": vf,
+                   "val/clipfrac_avg": vf_clip, "policy/entropy_avg": entropy, "val/ratio": ratio_mean,
+                   "val/ratio_var": ratio_sq - ratio_mean ** 2,
+                   "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
+                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
+        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
+            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
+        if step % args.eval_steps == 0 or step == 1:
+            tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
+                                 for p, t, s in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
+        tracker.log(metrics, step)
+
+    # ---- SAVE the policy and the final gold evaluation ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, accelerator.unwrap_model(model).policy, tokenizer, args.output_dir)
+    accelerator.print(f"saved policy and tokenizer to {args.output_dir}")
+    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model).policy, tokenizer, args.gold_eval_split)
+        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
+        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(tyro.cli(Args))

@@ -1,0 +1,60 @@
+"""algos/online_dpo.py: pair selection (ties included), the losses against hand values, beta per
+epoch, a pairwise judge, and a learning test."""
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from algos import online_dpo
+from tests.conftest import run_script
+from tests.test_sft import read_log
+
+
+def test_chosen_is_the_higher_score_and_ties_go_to_the_first():
+    scores = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]])
+    assert online_dpo.select_chosen(scores).tolist() == [1, 0, 0]
+
+
+def test_losses_hand_values():
+    # log-ratios: chosen 0.5, rejected -1.5, h = 2
+    args = (torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-1.5]), torch.tensor([-1.5]), 0.5)
+    losses, reward_c, reward_r = online_dpo.online_dpo_loss(*args, "sigmoid")
+    assert losses.item() == pytest.approx(math.log(1 + math.exp(-1.0)), rel=1e-6)
+    assert (reward_c.item(), reward_r.item()) == pytest.approx((0.25, -0.75))
+    losses, _, _ = online_dpo.online_dpo_loss(*args, "ipo")
+    assert losses.item() == pytest.approx((2 - 1 / (2 * 0.5)) ** 2)
+
+
+def write_prompts(tmp_path, n=32):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"TITLE: post {i}\n\nTL;DR:"}) + "\n" for i in range(n)))
+    return str(prompts)
+
+
+def test_online_dpo_with_a_judge_switches_beta_per_epoch(tmp_path, sft_model):
+    out = str(tmp_path / "odpo")
+    run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path),
+               "--judge", "tests.toy_rewards:prefer_shorter", "--beta", "0.1", "0.2", "--max_steps", "6",
+               "--per_device_train_batch_size", "8", "--max_new_tokens", "8", "--gold_eval_split", "",
+               "--output_dir", out)
+    log = read_log(out)
+    names = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+             "objective/scores", "objective/scores_margin", "rewards/chosen", "rewards/rejected",
+             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token", "beta"}
+    assert names <= set(log[0])
+    assert [r["beta"] for r in log] == [0.1] * 4 + [0.2] * 2  # 32 prompts / 8 per step = 4 steps an epoch
+    assert log[0]["objective/scores"] == 0.5  # a judge scores the pick 1 and the other 0
+
+
+def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
+    out = str(tmp_path / "odpo")
+    run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path, 64),
+               "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--max_steps", "16", "--beta", "1.0",
+               "--per_device_train_batch_size", "16", "--learning_rate", "2e-3", "--max_new_tokens", "16",
+               "--temperature", "1.0", "--gold_eval_split", "", "--output_dir", out)
+    log = read_log(out)
+    first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:3], log[-3:])]
+    assert last > first + 1.0, (first, last)
