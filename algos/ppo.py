@@ -116,7 +116,7 @@ class Args:
     """transformers scheduler name (linear, cosine, constant, ...)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    max_steps: int = 100
+    max_steps: int = 50
     """rollouts to sample and train on"""
     per_device_train_batch_size: int = 32
     """responses per micro-batch per process"""

@@ -1,6 +1,6 @@
 """The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, then DPO and
-KTO from the SFT model on the preference pairs, GRPO and RLOO from the SFT model with the reward
-model; then the numbers: gold win rate of each policy against the reference summaries, the reward
+KTO from the SFT model on the preference pairs, GRPO, RLOO, online DPO and PPO from the SFT model
+with the reward model; then the numbers: gold win rate of each policy against the reference summaries, the reward
 model's held-out preference accuracy, the online runs' reward at the start and end of training, and
 training seconds per step. Writes benchmarks/results/tiny_tldr.md.
 
@@ -60,6 +60,20 @@ def reward_curve(output_dir: str, key: str) -> str:
     return f"{statistics.mean(values[:n]):.2f} -> {statistics.mean(values[-n:]):.2f}"
 
 
+def over_optimization(out) -> str:
+    """RM score and gold score of the sampled completions along training, per online run (means over
+    fifths of the steps): a rising RM score with a falling gold score means the RM is being gamed."""
+    lines = ["\nRM score vs gold score of the sampled completions along training (means over each fifth of the steps):\n",
+             "| run | RM score | gold score |", "|---|---|---|"]
+    for name, key in (("grpo", "reward"), ("rloo", "objective/scores"), ("online_dpo", "objective/scores"),
+                      ("ppo", "objective/scores")):
+        records = step_records(out(name))
+        fifths = [records[i * len(records) // 5:(i + 1) * len(records) // 5] for i in range(5)]
+        curve = lambda k: " -> ".join(f"{statistics.mean(r[k] for r in part):.2f}" for part in fifths)  # noqa: E731
+        lines.append(f"| {name} | {curve(key)} | {curve('gold/score_sampled')} |")
+    return "\n".join(lines)
+
+
 def seconds_per_step(output_dir: str) -> float:
     """Median time between consecutive logged steps of the newest run: one training step, without
     the evaluations that some steps also run."""
@@ -89,9 +103,11 @@ def main(args: Args):
     for name in ("dpo", "kto"):
         times[name] = stage(name.upper(), f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
                             "--output_dir", out(name))
-    for name in ("grpo", "rloo"):
-        times[name] = stage(name.upper(), f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
+    for name in ("grpo", "rloo", "online_dpo"):
+        times[name] = stage(name, f"algos/{name}.py", *seed, "--model_name_or_path", out("sft"),
                             "--reward_model_paths", out("reward"), "--output_dir", out(name))
+    times["ppo"] = stage("ppo", "algos/ppo.py", *seed, "--model_name_or_path", out("sft"),
+                         "--reward_model_path", out("reward"), "--output_dir", out("ppo"))
     total = time.time() - start
 
     def policy_row(title, name, batch, curve=""):
@@ -112,6 +128,10 @@ def main(args: Args):
         policy_row("GRPO (dapo loss, beta 0.04)", "grpo", "32 samples", reward_curve(out("grpo"), "reward")),
         policy_row("RLOO (k 4, 2 PPO epochs)", "rloo", "32 samples x 2 epochs",
                    reward_curve(out("rloo"), "objective/scores")),
+        policy_row("Online DPO (sigmoid, beta 0.1)", "online_dpo", "16 prompts x 2 samples",
+                   reward_curve(out("online_dpo"), "objective/scores")),
+        policy_row("PPO (4 epochs, value model from the RM)", "ppo", "32 samples x 4 epochs",
+                   reward_curve(out("ppo"), "objective/scores")),
         f"| total | | | | | | {total:.0f} |",
     ]
     header = (f"Tiny TL;DR, produced {datetime.date.today()} by `python benchmarks/run_tiny_tldr.py` "
@@ -119,6 +139,7 @@ def main(args: Args):
               f"of the {tiny_tldr.SPLIT_SIZES['test']} test prompts where the gold judge prefers the greedy summary to the reference "
               "(ties 0.5), ± half a 95% interval.\n\n")
     table = header + "\n".join(rows) + "\n"
+    table += over_optimization(out) + "\n"
     print("\n" + table)
     os.makedirs(os.path.dirname(args.results), exist_ok=True)
     with open(args.results, "w") as f:
