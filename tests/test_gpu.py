@@ -16,8 +16,10 @@ SCRIPTS = {
     "grpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--num_iterations", "2",
                 *NO_GOLD],
     "rloo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
+    "online_dpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
+    "ppo.py": ["--reward_model_path", "tiny-pythia", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
 }
-LOSS_KEY = {"rloo.py": "loss/policy_avg"}
+LOSS_KEY = {"rloo.py": "loss/policy_avg", "ppo.py": "loss/value_avg"}
 
 
 @pytest.mark.gpu
