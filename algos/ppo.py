@@ -18,7 +18,6 @@ N+ details are marked `N+ detail` where they are implemented.
         --dataset_name trl-lib/tldr --output_dir output/pythia-1b-ppo --learning_rate 3e-6 ...
 """
 
-import math
 import os
 import random
 import time
@@ -32,7 +31,7 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
-from common.generation import generate, token_logprobs
+from common.generation import generate, shifted_logits, token_logprobs
 from common.models import load_policy, load_reward_model, load_tokenizer
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
@@ -204,12 +203,12 @@ class PolicyAndValue(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
         """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = shifted_logits(self.policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         values = self.value_model.score(hidden).squeeze(-1)
-        return logits[:, prompt_width - 1:-1] / temperature, values[:, prompt_width - 1:-1].float()
+        return logits / temperature, values[:, prompt_width - 1:-1].float()
 
 
 def main(args: Args):
@@ -260,9 +259,7 @@ def main(args: Args):
         for i in range(0, len(input_ids), args.local_rollout_forward_batch_size):
             s = slice(i, i + args.local_rollout_forward_batch_size)
             logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
-            position_ids = (attention_mask[s].cumsum(-1) - 1).clamp(min=0)
-            ref_logits = ref_model(input_ids=input_ids[s], attention_mask=attention_mask[s],
-                                   position_ids=position_ids).logits[:, prompt_width - 1:-1] / args.temperature
+            ref_logits = shifted_logits(ref_model, input_ids[s], attention_mask[s])[:, prompt_width - 1:] / args.temperature
             outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s]), values))
         return (torch.cat(x) for x in zip(*outs))
 

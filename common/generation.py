@@ -66,9 +66,3 @@ def shifted_logits(model, input_ids, attention_mask) -> torch.Tensor:
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
 
-
-def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """Per-token logprobs of the completion tokens in `input_ids` (prompt and padding get 0),
-    aligned with `input_ids[:, 1:]`; `completion_mask` marks completion tokens in `input_ids`."""
-    logits = shifted_logits(model, input_ids, attention_mask)
-    return token_logprobs(logits, input_ids[:, 1:], temperature) * completion_mask[:, 1:]

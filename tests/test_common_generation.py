@@ -2,7 +2,7 @@
 
 import torch
 
-from common.generation import completion_logprobs, generate, pad, token_logprobs, truncate_at_stop
+from common.generation import generate, pad, shifted_logits, token_logprobs, truncate_at_stop
 from common.models import load_policy
 from tests.conftest import FixedLogits
 
@@ -33,13 +33,13 @@ def test_token_logprobs_match_softmax_with_temperature():
     assert torch.allclose(token_logprobs(logits, labels, temperature=2.0), expected, atol=1e-6)
 
 
-def test_completion_logprobs_known_values_and_prompt_excluded():
+def test_shifted_logprobs_known_values_and_prompt_excluded():
     table = torch.log(torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25], [0.6, 0.3, 0.1]]))
     model = FixedLogits(table)
     input_ids = torch.tensor([[0, 1, 2, 2]])  # prompt = [0, 1], completion = [2, 2]
     attention_mask = torch.ones_like(input_ids)
     completion_mask = torch.tensor([[0, 0, 1, 1]])
-    out = completion_logprobs(model, input_ids, attention_mask, completion_mask)
+    out = token_logprobs(shifted_logits(model, input_ids, attention_mask), input_ids[:, 1:]) * completion_mask[:, 1:]
     # p(2 | 1) = 0.25, p(2 | 2) = 0.1; the prompt token 1 (p(1 | 0) = 0.2) must not count
     assert torch.allclose(out, torch.log(torch.tensor([[1.0, 0.25, 0.1]])) * torch.tensor([[0, 1, 1]]))
 
@@ -54,7 +54,7 @@ def test_left_and_right_padding_give_the_same_logprobs(tiny_model, tokenizer):
         positions = torch.arange(ids.shape[1])[None, :]
         start = (ids.shape[1] - mask.sum(1)) if side == "left" else torch.zeros(2, dtype=torch.long)
         completion_mask = ((positions >= (start + torch.tensor(prompt_lens))[:, None]) & (mask == 1)).long()
-        logps = completion_logprobs(model, ids, mask, completion_mask)
+        logps = token_logprobs(shifted_logits(model, ids, mask), ids[:, 1:]) * completion_mask[:, 1:]
         results.append(logps.sum(1))
     assert torch.allclose(results[0], results[1], atol=1e-5)
 
