@@ -45,8 +45,8 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
-from common.generation import generate, pad, shifted_logits, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, deepspeed_stage, load_policy, load_tokenizer, prepare_frozen, reference
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
@@ -55,10 +55,10 @@ LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard",
 
 
 @dataclass
-class Args:
+class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/dpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -278,7 +278,13 @@ def main(args: Args):
         raise UserError("--sync_ref_model needs a reference model; it cannot be used with --reference_free or simpo")
     if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"loss_type robust needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
+    if args.sync_ref_model and args.use_peft:
+        raise UserError("--sync_ref_model mixes the policy into a separate reference; with --use_peft the reference "
+                        "is the base model itself (adapters off), so drop one of the two")
     accelerator = setup(args)
+    if args.sync_ref_model and deepspeed_stage(accelerator) == 3:
+        raise UserError("--sync_ref_model (TR-DPO) mixes the reference with the policy weight by weight, which a "
+                        "ZeRO-3-sharded reference cannot do; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     mean_logps = uses_mean_logps(args.loss_type)
 
@@ -311,19 +317,20 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = load_policy(args.model_name_or_path, tokenizer)
-    ref_model = None
-    if not args.reference_free:  # frozen, in eval mode (no dropout), never wrapped for DDP
-        ref_model = load_policy(args.ref_model_name_or_path or args.model_name_or_path, tokenizer)
-        ref_model.eval().requires_grad_(False).to(accelerator.device)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
+    if not args.reference_free and not args.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.ref_model_name_or_path or args.model_name_or_path,
+                                                            tokenizer, args.torch_dtype))
 
     @torch.no_grad()
     def reference_logps(examples):
         """Reference (chosen, rejected) logps of examples; zeros when reference-free."""
-        if ref_model is None:
+        if args.reference_free:
             return torch.zeros(len(examples), device=accelerator.device), torch.zeros(len(examples), device=accelerator.device)
         batch = tuple(t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
-        chosen, rejected, _, _ = forward_pairs(ref_model, batch, mean_logps)
+        with reference(accelerator, model, ref_model) as ref:
+            chosen, rejected, _, _ = forward_pairs(ref, batch, mean_logps)
         return chosen, rejected
 
     def precompute(examples):
@@ -332,6 +339,7 @@ def main(args: Args):
         per_rank = math.ceil(len(examples) / world)
         local = torch.zeros(per_rank, 2, device=accelerator.device)
         mine = examples[rank::world]
+        mine = mine + mine[-1:] * (per_rank - len(mine))  # equal shares: under ZeRO-3 all ranks run every forward
         for i in range(0, len(mine), args.per_device_eval_batch_size):
             local[i:i + args.per_device_eval_batch_size] = torch.stack(
                 reference_logps(mine[i:i + args.per_device_eval_batch_size]), dim=1)
@@ -340,7 +348,7 @@ def main(args: Args):
         return torch.stack([gathered[j % world, j // world] for j in range(len(examples))])
 
     train_ref = eval_ref = None
-    if args.precompute_ref_logps and ref_model is not None:
+    if args.precompute_ref_logps and not args.reference_free:
         train_ref, eval_ref = precompute(train_examples), precompute(eval_examples) if eval_examples else None
         ref_model = None  # frees its memory: only the cached logprobs are needed from now on
         gc.collect()
@@ -390,7 +398,8 @@ def main(args: Args):
         """Eval metrics over the eval pairs (each process takes a strided share; means over pairs)."""
         model.eval()
         sums, count = None, torch.zeros((), device=accelerator.device)
-        mine = list(range(len(eval_examples)))[accelerator.process_index::accelerator.num_processes]
+        world = accelerator.num_processes  # equal shares (at most world - 1 pairs left out): ZeRO-3 needs every rank in every forward
+        mine = list(range(len(eval_examples) - len(eval_examples) % world))[accelerator.process_index::world]
         for i in range(0, len(mine), args.per_device_eval_batch_size):
             indices = mine[i:i + args.per_device_eval_batch_size]
             _, stats = pair_stats(indices, eval_examples, eval_ref, model, train=False)
@@ -403,11 +412,13 @@ def main(args: Args):
 
     def log_samples(step):
         """Greedy completions of the first eval prompts beside the chosen completion."""
-        if not accelerator.is_main_process or args.num_sample_generations <= 0:
+        if args.num_sample_generations <= 0:
             return
         rows = eval_examples[:args.num_sample_generations]
-        _, _, ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer, [p for p, _, _ in rows],
-                                   args.max_new_tokens, temperature=0.0)
+        with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
+            if not accelerator.is_main_process:
+                return
+            _, _, ids, _, _ = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens, temperature=0.0)
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c,
                     "chosen": tokenizer.decode(ch, skip_special_tokens=True)}
                    for (p, ch, _), c in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True))]
@@ -454,7 +465,7 @@ def main(args: Args):
         # ---- LOG ----
         means = (accelerator.reduce(totals, "mean") / args.gradient_accumulation_steps).tolist()
         metrics = dict(zip(stats, means))
-        metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+        metrics.update({"grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                         "epoch": step / max(1, steps_per_epoch), "steps_per_second": step / (time.time() - start_time)})
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate())
@@ -465,10 +476,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

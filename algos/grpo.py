@@ -32,18 +32,19 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
+from common.vllm import VLLMArgs, VLLMSampler, importance_weights
 
 
 @dataclass
-class Args:
+class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vLLM flags (common/vllm.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/grpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -161,16 +162,17 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
               epsilon_high: float = 0.2, beta: float = 0.0, importance_sampling_level: str = "token",
-              max_completion_length: int = 0, num_items_in_batch: float = 0.0):
+              max_completion_length: int = 0, num_items_in_batch: float = 0.0, token_weights=1.0):
     """The loss of a micro-batch and its per-token ratios. logps/old_logps/ref_logps/mask: [B, T]
     over completion tokens; advantages: [B]; ref_logps unused when beta == 0; num_items_in_batch:
-    the dapo normaliser (completion tokens of the global batch, scaled to one micro-batch)."""
+    the dapo normaliser (completion tokens of the global batch, scaled to one micro-batch);
+    token_weights: importance weights of the clipped term (vLLM sampler correction)."""
     log_ratio = logps - old_logps
     if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
     a = advantages[:, None]
-    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a) * token_weights
     if beta:
         q = ref_logps - logps  # k3: an unbiased, always positive estimate of KL(pi || pi_ref)
         per_token = per_token + beta * (torch.exp(q) - q - 1)
@@ -206,16 +208,19 @@ def main(args: Args):
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
     rows = list(dataset)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = load_policy(args.model_name_or_path, tokenizer)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     ref_model = None
-    if args.beta:  # frozen, in eval mode (no dropout), never wrapped for DDP; beta == 0 needs none
-        ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
-    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator.device)
+    if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = None
+    if args.use_vllm:
+        sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.max_completion_length)
     tracker = Tracker(args, accelerator, args.num_steps)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps; {args.generation_batch_size // args.num_generations} "
                       f"prompts x {args.num_generations} completions per generation batch; rewards: "
@@ -243,13 +248,22 @@ def main(args: Args):
         return logps, entropy
 
     prompts_iter = prompt_batches()
-    start_time, episode, step = time.time(), 0, 0
+    start_time, episode, step, push_seconds = time.time(), 0, 0, float("nan")
     while step < args.num_steps:
         # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
         indices = next(prompts_iter)
-        p_ids, p_mask, c_ids, c_mask, finished = generate(
-            accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length,
-            args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        # one seed per completion, from its place in the run: the same samples on 1 or N processes
+        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
+                    args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        if sampler is not None:
+            if step > 0:  # the policy changed since the engine last got its weights
+                push_seconds = sampler.push_weights(model)
+            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+        else:
+            with unwrapped_for_generation(accelerator, model) as unwrapped:
+                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+            sampler_logps = None
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         prompt_width = p_ids.shape[1]
         episode += args.generation_batch_size
@@ -279,8 +293,9 @@ def main(args: Args):
             old_logps = ref_logps = [None] * len(micro)
             if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
                 old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
-            if ref_model is not None:
-                ref_logps = [completion_logps(ref_model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+            if args.beta:
+                with reference(accelerator, model, ref_model) as ref:
+                    ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
 
         # ---- UPDATE: num_iterations optimizer steps over this generation batch ----
         for _ in range(args.num_iterations):
@@ -291,9 +306,11 @@ def main(args: Args):
                 with accelerator.accumulate(model):
                     logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width)
                     old = old_logps[m] if old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
+                    is_weights = importance_weights(old, None if sampler_logps is None else sampler_logps[s],
+                                                    args.vllm_importance_sampling_cap)
                     loss, ratio = grpo_loss(logps, old, ref_logps[m], advantages[s], loss_mask[s], args.loss_type,
                                             args.epsilon, epsilon_high, args.beta, args.importance_sampling_level,
-                                            args.max_completion_length, num_items)
+                                            args.max_completion_length, num_items, is_weights)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -305,7 +322,7 @@ def main(args: Args):
                     low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
                     high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
                     kl = 0.0
-                    if ref_model is not None:
+                    if args.beta:
                         q = ref_logps[m] - logps.detach()
                         kl = ((torch.exp(q) - q - 1) * mask).sum() / tokens
                     stats += torch.stack([loss.detach(), torch.as_tensor(kl, device=mask.device), (entropy * mask).sum() / tokens,
@@ -325,13 +342,15 @@ def main(args: Args):
                        "completions/clipped_ratio": 1 - accelerator.gather(finished.float()).mean().item(),
                        "frac_reward_zero_std": (grouped_std < 1e-6).float().mean().item(), "entropy": entropy,
                        "clip_ratio/low_mean": clip_low, "clip_ratio/high_mean": clip_high,
-                       "clip_ratio/region_mean": clip_region, "grad_norm": float(grad_norm),
+                       "clip_ratio/region_mean": clip_region, "grad_norm": float("nan" if grad_norm is None else grad_norm),
                        "lr": scheduler.get_last_lr()[0], "episode": episode,
                        "eps": episode / (time.time() - start_time)}
             for name, values in per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-            if ref_model is not None:
+            if args.beta:
                 metrics["kl"] = kl
+            if sampler is not None:
+                metrics["vllm/push_seconds"] = push_seconds
             if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
                 metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
             if step % args.eval_steps == 0 or step == 1:
@@ -343,10 +362,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -8,8 +8,9 @@ z0 = KL(pi || pi_ref), the value of a completion follows prospect theory:
               lambda_U * sigmoid(beta * (z0 - r))   if y is undesirable
     loss    = E[lambda_y - v(x, y)]
 
-z0 is estimated per batch from mismatched pairs (prompt i with the completion of row i - 1: text
-the policy was not trained to produce for that prompt), as the mean of r over them, clamped at 0
+z0 is estimated per optimizer step from mismatched pairs (prompt i with the completion of row i - 1
+of its micro-batch: text the policy was not trained to produce for that prompt) of every micro-batch
+on every process, as the mean of r over them, clamped at 0
 and detached (section 4.1: it only sets the reference point, no gradient flows through it).
 `--loss_type apo_zero_unpaired` drops z0 and uses Anchored Preference Optimization's zero anchor
 (D'Oosterlinck et al. 2024): loss = 1 - sigmoid(beta r) for desirable, sigmoid(beta r) for undesirable.
@@ -34,17 +35,17 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, load_split
-from common.generation import generate, pad, shifted_logits, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_tokenizer, prepare_frozen, reference
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
 
 @dataclass
-class Args:
+class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/kto"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -252,10 +253,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = load_policy(args.model_name_or_path, tokenizer)
-    # frozen, in eval mode (no dropout), never wrapped for DDP
-    ref_model = load_policy(args.ref_model_name_or_path or args.model_name_or_path, tokenizer)
-    ref_model.eval().requires_grad_(False).to(accelerator.device)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
+    if not args.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.ref_model_name_or_path or args.model_name_or_path,
+                                                            tokenizer, args.torch_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
@@ -265,22 +267,29 @@ def main(args: Args):
     accelerator.print(f"{len(train_examples)} training rows ({num_desirable} desirable), {args.num_steps} steps of "
                       f"{args.total_batch_size}, loss {args.loss_type}, beta {args.beta}")
 
-    def batch_stats(examples, policy, share_kl=True):
+    @torch.no_grad()
+    def kl_logratios(examples, policy):
+        """log pi - log pi_ref of the micro-batch's mismatched (prompt, other completion) pairs."""
+        _, kl_batch, _ = collate(examples, tokenizer.pad_token_id, args.max_length)
+        ids, mask, completion_mask = (t.to(accelerator.device) for t in kl_batch)
+        with reference(accelerator, model, ref_model) as ref:
+            kl_ref = sequence_logps(shifted_logits(ref, ids, mask), ids, completion_mask)
+        return sequence_logps(shifted_logits(policy, ids, mask), ids, completion_mask) - kl_ref
+
+    def batch_stats(examples, policy, kl=None):
         """Loss and metric sums of one micro-batch: the loss is its mean over rows; the metric sums
-        (loss, rewards, logps per class, class counts, kl) are divided after reduction. With
-        share_kl, z0 is averaged over processes (training: every process runs every micro-batch)."""
-        batch, kl_batch, labels = collate(examples, tokenizer.pad_token_id, args.max_length)
-        batch, kl_batch = (tuple(t.to(accelerator.device) for t in b) for b in (batch, kl_batch))
+        (loss, rewards, logps per class, class counts, kl) are divided after reduction. kl: the
+        reference point z0 (training: of the whole step); None: from this micro-batch's pairs."""
+        batch, _, labels = collate(examples, tokenizer.pad_token_id, args.max_length)
+        batch = tuple(t.to(accelerator.device) for t in batch)
         labels = labels.to(accelerator.device)
         logps = sequence_logps(shifted_logits(policy, batch[0], batch[1]), batch[0], batch[2])
-        with torch.no_grad():
-            ref_logps = sequence_logps(shifted_logits(ref_model, batch[0], batch[1]), batch[0], batch[2])
+        with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
+            ref_logps = sequence_logps(shifted_logits(ref, batch[0], batch[1]), batch[0], batch[2])
+        if kl is None:
             kl = torch.zeros((), device=accelerator.device)
-            if args.loss_type == "kto":  # the reference point: no gradient, so no graph is kept
-                kl_logps = sequence_logps(shifted_logits(policy, kl_batch[0], kl_batch[1]), kl_batch[0], kl_batch[2])
-                kl_ref = sequence_logps(shifted_logits(ref_model, kl_batch[0], kl_batch[1]), kl_batch[0], kl_batch[2])
-                kl = kl_reference_point(kl_logps, kl_ref)
-                kl = accelerator.reduce(kl, "mean") if share_kl else kl
+            if args.loss_type == "kto":
+                kl = kl_reference_point(kl_logratios(examples, policy), 0.0)
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
                                    args.undesirable_weight, args.loss_type)
         good, bad = labels.float(), (~labels).float()
@@ -300,19 +309,22 @@ def main(args: Args):
     def evaluate():
         """Eval metrics over the eval rows (each process takes a strided share)."""
         model.eval()
-        mine = eval_examples[accelerator.process_index::accelerator.num_processes]
-        sums = sum(batch_stats(mine[i:i + args.per_device_eval_batch_size], model, share_kl=False)[1]
+        world = accelerator.num_processes  # equal shares (at most world - 1 rows left out): ZeRO-3 needs every rank in every forward
+        mine = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
+        sums = sum(batch_stats(mine[i:i + args.per_device_eval_batch_size], model)[1]
                    for i in range(0, len(mine), args.per_device_eval_batch_size))
         model.train()
         return summarize(sums, "eval_")
 
     def log_samples(step):
         """Greedy completions of the first eval prompts."""
-        if not accelerator.is_main_process or args.num_sample_generations <= 0:
+        if args.num_sample_generations <= 0:
             return
         prompts = list(dict.fromkeys(tuple(p) for p, _, _ in eval_examples))[:args.num_sample_generations]
-        _, _, ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer, [list(p) for p in prompts],
-                                   args.max_new_tokens, temperature=0.0)
+        with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
+            if not accelerator.is_main_process:
+                return
+            _, _, ids, _, _ = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens, temperature=0.0)
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
                    for p, c in zip(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True))]
         if args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA:  # the tiny task can score its samples
@@ -321,24 +333,29 @@ def main(args: Args):
         tracker.log_samples(samples, step)
 
     def micro_batches():
-        """Endless shuffled micro-batches of this process's share of each global batch."""
+        """Endless shuffled micro-batches: this process's contiguous share of each global micro-batch."""
         rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
         per_step = args.per_device_train_batch_size * args.world_size
         while True:
             order = list(range(len(train_examples)))
             rng.shuffle(order)
             for start in range(0, len(order) - per_step + 1, per_step):
-                yield [train_examples[i] for i in order[start:start + per_step][accelerator.process_index::args.world_size]]
+                share = order[start + accelerator.process_index * args.per_device_train_batch_size:][:args.per_device_train_batch_size]
+                yield [train_examples[i] for i in share]
 
     batches = micro_batches()
     start_time = time.time()
     for step in range(1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of rows, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
+        micro = [next(batches) for _ in range(args.gradient_accumulation_steps)]
+        z0 = torch.zeros((), device=accelerator.device)
+        if args.loss_type == "kto":  # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
+            z0 = kl_reference_point(accelerator.gather(torch.cat([kl_logratios(m, model) for m in micro])), 0.0)
         totals = 0
-        for _ in range(args.gradient_accumulation_steps):
+        for examples in micro:
             with accelerator.accumulate(model):
-                loss, sums = batch_stats(next(batches), model)
+                loss, sums = batch_stats(examples, model, z0)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -350,7 +367,7 @@ def main(args: Args):
 
         # ---- LOG ----
         metrics = summarize(totals)
-        metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+        metrics.update({"grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                         "epoch": step / max(1, steps_per_epoch), "steps_per_second": step / (time.time() - start_time)})
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate())
@@ -361,10 +378,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -33,18 +33,19 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, import_function, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
+from common.vllm import VLLMArgs, VLLMSampler
 
 
 @dataclass
-class Args:
+class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vLLM flags (common/vllm.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/online_dpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -163,20 +164,22 @@ def main(args: Args):
     rows = list(dataset)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    model = load_policy(args.model_name_or_path, tokenizer)
-    # frozen, in eval mode (no dropout), never wrapped for DDP
-    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
+    if not args.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
     judge = None
     if args.judge:
         judge = import_function(args.judge, "judge")
     else:
         sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
-                                               accelerator.device)
+                                               accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_length) if args.use_vllm else None
     tracker = Tracker(args, accelerator, args.num_steps)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions; "
                       f"ranked by {'judge ' + args.judge if judge else ', '.join(n for n, _, _ in sources)}")
@@ -197,17 +200,26 @@ def main(args: Args):
         return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
 
     batches = prompt_batches()
-    start_time, episode = time.time(), 0
+    start_time, episode, push_seconds = time.time(), 0, float("nan")
     for step in range(1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
         stats = torch.zeros(12, device=accelerator.device)
+        if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
+            push_seconds = sampler.push_weights(model)
         for _ in range(args.gradient_accumulation_steps):
             # ---- ROLLOUT: two completions per prompt from the current policy ----
             indices = next(batches)
             pair_indices = [i for i in indices for _ in range(2)]  # rows 2j and 2j + 1 share prompt j
-            p_ids, p_mask, c_ids, c_mask, finished = generate(
-                accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in pair_indices],
-                args.max_new_tokens, args.temperature)
+            # one seed per completion, from the prompt's place in the global batch: the same samples on 1 or N processes
+            seeds = [args.seed * 10**9 + episode + 2 * (j * args.world_size + accelerator.process_index) + k
+                     for j in range(len(indices)) for k in range(2)]
+            sampling = (tokenizer, [prompt_ids[i] for i in pair_indices], args.max_new_tokens, args.temperature,
+                        1.0, 0, 0.0, 1.0)
+            if sampler is not None:
+                p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(*sampling, seeds)
+            else:
+                with unwrapped_for_generation(accelerator, model) as unwrapped:
+                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
             episode += len(pair_indices) * args.world_size
@@ -237,8 +249,8 @@ def main(args: Args):
             # ---- UPDATE: the DPO loss on (chosen, rejected) against the reference ----
             with accelerator.accumulate(model):
                 logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width)
-                with torch.no_grad():
-                    ref_logps = sequence_logps(ref_model, input_ids, attention_mask, c_ids, c_mask, prompt_width)
+                with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
+                    ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width)
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
                                                              ref_logps[rows_r], beta, args.loss_type)
                 loss = losses.mean()
@@ -263,8 +275,10 @@ def main(args: Args):
                    "objective/rlhf_reward": rlhf, "objective/scores": score, "objective/scores_margin": margin,
                    "rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": acc, "rewards/margins": r_c - r_r,
                    "logps/chosen": lp_c, "logps/rejected": lp_r, "val/contain_eos_token": eos, "beta": beta,
-                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
+                   "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
                    "eps": episode / (time.time() - start_time)}
+        if sampler is not None:
+            metrics["vllm/push_seconds"] = push_seconds
         if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
             metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
@@ -277,10 +291,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -18,6 +18,7 @@ N+ details are marked `N+ detail` where they are implemented.
         --dataset_name trl-lib/tldr --output_dir output/pythia-1b-ppo --learning_rate 3e-6 ...
 """
 
+import contextlib
 import os
 import random
 import time
@@ -31,18 +32,19 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs
-from common.models import load_policy, load_reward_model, load_tokenizer
+from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_reward_model, load_tokenizer, prepare_frozen, resolve
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
+from common.vllm import VLLMArgs, VLLMSampler, importance_weights
 
 
 @dataclass
-class Args:
+class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vLLM flags (common/vllm.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/ppo"
     """where the policy, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -179,11 +181,12 @@ def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def policy_loss(logps, old_logps, advantages, mask, cliprange: float):
-    """Clipped surrogate (loss, clip fraction, approx KL 0.5 (log ratio)^2), masked token means."""
+def policy_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0):
+    """Clipped surrogate (loss, clip fraction, approx KL 0.5 (log ratio)^2), masked token means;
+    token_weights: importance weights (vLLM sampler correction)."""
     ratio = torch.exp(logps - old_logps)
     unclipped, clipped = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    loss = masked_mean(torch.max(unclipped, clipped) * token_weights, mask)
     return loss, masked_mean((clipped > unclipped).float(), mask), masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
 
 
@@ -224,21 +227,24 @@ def main(args: Args):
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
     rows = list(dataset)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    policy = load_policy(args.model_name_or_path, tokenizer)
+    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
-    value_model = load_reward_model(args.reward_model_path, reward_tokenizer)
-    # frozen, in eval mode (no dropout), never wrapped for DDP
-    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
-    sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
-                                           accelerator.device)
+    value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype), args, "SEQ_CLS")
+    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
+    if not args.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights, accelerator)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = None
+    if args.use_vllm:
+        sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.response_length)
     tracker = Tracker(args, accelerator, args.max_steps)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
@@ -250,30 +256,44 @@ def main(args: Args):
             order = list(range(len(rows)))
             rng.shuffle(order)
             for start in range(0, len(order) - args.rollout_batch_size + 1, args.rollout_batch_size):
-                yield order[start:start + args.rollout_batch_size][accelerator.process_index::args.world_size]
+                yield order[start:start + args.rollout_batch_size][accelerator.process_index * local_size:][:local_size]
 
     @torch.no_grad()
     def rollout_forward(input_ids, attention_mask, prompt_width, response_ids):
         """Sampling-time logprobs, reference logprobs and values, in chunks (no gradients)."""
         outs = []
+        policy = accelerator.unwrap_model(model).policy
         for i in range(0, len(input_ids), args.local_rollout_forward_batch_size):
             s = slice(i, i + args.local_rollout_forward_batch_size)
             logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
-            ref_logits = shifted_logits(ref_model, input_ids[s], attention_mask[s])[:, prompt_width - 1:] / args.temperature
-            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s]), values))
+            with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
+                ref_logits = shifted_logits(ref_model or policy, input_ids[s], attention_mask[s])[:, prompt_width - 1:]
+            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits / args.temperature,
+                                                                                 response_ids[s]), values))
         return (torch.cat(x) for x in zip(*outs))
 
     batches = prompt_batches()
-    shuffler = torch.Generator().manual_seed(args.seed + accelerator.process_index)
-    start_time, episode = time.time(), 0
+    shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
+    start_time, episode, push_seconds = time.time(), 0, float("nan")
     for step in range(1, args.max_steps + 1):
         # ---- ROLLOUT: sample responses; N+ detail: truncate after the first EOS, pad the rest ----
         indices = next(batches)
-        policy_now = accelerator.unwrap_model(model).policy
-        p_ids, p_mask, r_ids, r_mask, finished = generate(
-            policy_now, tokenizer, [prompt_ids[i] for i in indices], args.response_length, args.temperature)
+        # one seed per response, from its place in the run: the same samples on 1 or N processes
+        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.response_length, args.temperature, 1.0, 0, 0.0, 1.0)
+        if sampler is not None:
+            if step > 1:  # the policy changed since the engine last got its weights
+                push_seconds = sampler.push_weights(accelerator.unwrap_model(model).policy)
+            p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+        else:
+            with unwrapped_for_generation(accelerator, model) as unwrapped:
+                p_ids, p_mask, r_ids, r_mask, finished = generate(unwrapped.policy, *sampling, seeds=seeds)
+            sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device)
         if args.stop_token == "none":
             r_ids, r_mask = r_ids.masked_fill(r_mask == 0, tokenizer.eos_token_id), torch.ones_like(r_mask)
+        # the same prompt width on every rank, so that the rollout can be gathered
+        p_ids = accelerator.pad_across_processes(p_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
+        p_mask = accelerator.pad_across_processes(p_mask, dim=1, pad_index=0, pad_first=True)
         input_ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
         prompt_width, mask = p_ids.shape[1], r_mask.float()
         episode += args.rollout_batch_size
@@ -292,7 +312,13 @@ def main(args: Args):
         elif args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~finished).float()
 
-        # ---- REWARDS and ADVANTAGES: KL-shaped rewards, GAE, whitened advantages ----
+        # ---- REWARDS and ADVANTAGES: KL-shaped rewards, GAE, whitened advantages, over the whole
+        # rollout gathered on every rank (micro-batches are then drawn from one global shuffle, so
+        # the update does not depend on how many processes share it) ----
+        local_scores, local_finished = scores, finished
+        input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values, sampler_logps, scores = (
+            accelerator.gather(t) for t in (input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values,
+                                            sampler_logps, scores))
         rewards, kl = shape_rewards(old_logps, ref_logps, scores, mask, args.kl_coef, args.kl_estimator)
         if args.whiten_rewards:
             rewards = whiten(rewards, mask, shift_mean=False)
@@ -302,15 +328,19 @@ def main(args: Args):
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
         stats = torch.zeros(8, device=accelerator.device)  # pg loss, vf loss, pg clip, vf clip, approx kl, entropy, ratio, ratio^2
         for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(local_size, generator=shuffler).to(accelerator.device)
-            for start in range(0, local_size, mini_size):
-                for micro_start in range(start, start + mini_size, args.per_device_train_batch_size):
-                    idx = order[micro_start:micro_start + args.per_device_train_batch_size]
+            order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
+            for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
+                for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
+                    first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
+                    idx = order[first:first + args.per_device_train_batch_size]
                     m = mask[idx]
                     with accelerator.accumulate(model):
                         logits, values = model(input_ids[idx], attention_mask[idx], prompt_width, args.temperature)
                         logps = token_logprobs(logits, r_ids[idx])
-                        pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m, args.cliprange)
+                        is_weights = importance_weights(old_logps[idx], sampler_logps[idx] if sampler else None,
+                                                        args.vllm_importance_sampling_cap)
+                        pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m,
+                                                                            args.cliprange, is_weights)
                         vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m, args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
@@ -330,33 +360,35 @@ def main(args: Args):
         # ---- LOG (TRL's PPO names) ----
         n = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
         pg, vf, pg_clip, vf_clip, approxkl, entropy, ratio_mean, ratio_sq = (accelerator.reduce(stats, "mean") / n).tolist()
-        seq_kl = accelerator.gather(kl.sum(1))
-        all_scores = accelerator.gather(scores)
+        seq_kl, all_scores = kl.sum(1), scores
         metrics = {"objective/kl": seq_kl.mean().item(),
-                   "objective/entropy": accelerator.gather(-old_logps.sum(1)).mean().item(),
+                   "objective/entropy": (-old_logps.sum(1)).mean().item(),
                    "objective/non_score_reward": -args.kl_coef * seq_kl.mean().item(),
                    "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
                    "objective/scores": all_scores.mean().item(), "policy/approxkl_avg": approxkl,
                    "policy/clipfrac_avg": pg_clip, "loss/policy_avg": pg, "loss/value_avg": vf,
                    "val/clipfrac_avg": vf_clip, "policy/entropy_avg": entropy, "val/ratio": ratio_mean,
                    "val/ratio_var": ratio_sq - ratio_mean ** 2,
-                   "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
+                   "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
+        if sampler is not None:
+            metrics["vllm/push_seconds"] = push_seconds
         if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
             metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
-                                 for p, t, s in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
+                                 for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
 
     # ---- SAVE the policy and the final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)
-    save_model(accelerator, accelerator.unwrap_model(model).policy, tokenizer, args.output_dir)
+    save_model(accelerator, model, tokenizer, args.output_dir, part="policy")
     accelerator.print(f"saved policy and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model).policy, tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped.policy, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -28,16 +28,16 @@ from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad
-from common.models import load_reward_model, load_tokenizer
+from common.models import ModelArgs, adapt, load_reward_model, load_tokenizer
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
 
 @dataclass
-class Args:
+class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/reward"
     """where the reward model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -206,7 +206,7 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = load_reward_model(args.model_name_or_path, tokenizer)
+    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype), args, "SEQ_CLS")
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
         # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1))
         torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
@@ -253,7 +253,7 @@ def main(args: Args):
         # ---- LOG ----
         loss, accuracy, r_chosen, r_rejected = (accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
         metrics = {"loss": loss, "accuracy": accuracy, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
-                   "rewards/margins": r_chosen - r_rejected, "grad_norm": float(grad_norm),
+                   "rewards/margins": r_chosen - r_rejected, "grad_norm": float("nan" if grad_norm is None else grad_norm),
                    "lr": scheduler.get_last_lr()[0], "epoch": step / max(1, steps_per_epoch),
                    "steps_per_second": step / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):

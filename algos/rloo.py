@@ -32,18 +32,19 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
+from common.vllm import VLLMArgs, VLLMSampler, importance_weights
 
 
 @dataclass
-class Args:
+class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vLLM flags (common/vllm.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/rloo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -167,13 +168,14 @@ def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.T
     return (returns - baseline[:, None]) * mask
 
 
-def rloo_loss(logps, old_logps, advantages, mask, cliprange: float):
-    """PPO clipped surrogate, mean over the micro-batch's completion tokens. advantages: [B] or [B, T].
-    Returns (loss, ratio, whether each token was clipped)."""
+def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0):
+    """PPO clipped surrogate, mean over the micro-batch's completion tokens. advantages: [B] or [B, T];
+    token_weights: importance weights (vLLM sampler correction). Returns (loss, ratio, whether each
+    token was clipped)."""
     ratio = torch.exp(logps - old_logps)
     a = advantages if advantages.dim() == 2 else advantages[:, None]
     unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = (torch.max(unclipped, clipped) * mask).sum() / mask.sum().clamp(min=1)
+    loss = (torch.max(unclipped, clipped) * token_weights * mask).sum() / mask.sum().clamp(min=1)
     return loss, ratio, clipped > unclipped
 
 
@@ -205,15 +207,19 @@ def main(args: Args):
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = load_policy(args.model_name_or_path, tokenizer)
-    # frozen, in eval mode (no dropout), never wrapped for DDP
-    ref_model = load_policy(args.model_name_or_path, tokenizer).eval().requires_grad_(False).to(accelerator.device)
-    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator.device)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
+    if not args.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = None
+    if args.use_vllm:
+        sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.max_completion_length)
     tracker = Tracker(args, accelerator, args.max_steps)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
                       f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
@@ -247,19 +253,32 @@ def main(args: Args):
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
-    shuffler = torch.Generator().manual_seed(args.seed + accelerator.process_index)
-    start_time, episode = time.time(), 0
+    shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
+    start_time, episode, push_seconds = time.time(), 0, float("nan")
     for step in range(1, args.max_steps + 1):
         # ---- ROLLOUT: sample rloo_k completions per prompt; sampling-time and reference logprobs ----
         indices = next(prompts_iter)
-        p_ids, p_mask, c_ids, c_mask, finished = generate(
-            accelerator.unwrap_model(model), tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length,
-            args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        # one seed per completion, from its place in the run: the same samples on 1 or N processes
+        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
+                    args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        if sampler is not None:
+            if step > 1:  # the policy changed since the engine last got its weights
+                push_seconds = sampler.push_weights(model)
+            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+        else:
+            with unwrapped_for_generation(accelerator, model) as unwrapped:
+                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+            sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device)
+        # the same prompt width on every rank, so that the rollout can be gathered
+        p_ids = accelerator.pad_across_processes(p_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
+        p_mask = accelerator.pad_across_processes(p_mask, dim=1, pad_index=0, pad_first=True)
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
         episode += args.rollout_batch_size
         old_logps = no_grad_logps(model, input_ids, attention_mask, prompt_width) * mask
-        ref_logps = no_grad_logps(ref_model, input_ids, attention_mask, prompt_width) * mask
+        with reference(accelerator, model, ref_model) as ref:
+            ref_logps = no_grad_logps(ref, input_ids, attention_mask, prompt_width) * mask
 
         # ---- SCORE: reward models and functions on the text; the EOS trick ----
         texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
@@ -288,19 +307,27 @@ def main(args: Args):
             advantages = rloo_advantages(rlhf_reward, args.rloo_k)
             if args.normalize_advantages:
                 advantages = whiten(advantages)
-        advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+        # the whole rollout on every rank: micro-batches are drawn from one global shuffle, so the
+        # update does not depend on how many processes share it
+        input_ids, attention_mask, old_logps, sampler_logps = (accelerator.gather(t) for t in (
+            input_ids, attention_mask, old_logps, sampler_logps))
+        mask = all_mask
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
         stats = torch.zeros(5, device=accelerator.device)  # loss, approx kl, clip fraction, ratio, ratio^2
         entropy_sum = torch.zeros((), device=accelerator.device)
         for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(local_size, generator=shuffler).to(accelerator.device)
-            for start in range(0, local_size, mini_size):
-                for micro_start in range(start, start + mini_size, args.per_device_train_batch_size):
-                    idx = order[micro_start:micro_start + args.per_device_train_batch_size]
+            order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
+            for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
+                for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
+                    first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
+                    idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
                         logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width)
-                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx], args.cliprange)
+                        is_weights = importance_weights(old_logps[idx], sampler_logps[idx] if sampler else None,
+                                                        args.vllm_importance_sampling_cap)
+                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx], args.cliprange,
+                                                         is_weights)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -328,10 +355,12 @@ def main(args: Args):
                    "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": clipfrac, "loss/policy_avg": loss,
                    "val/ratio": ratio_mean, "val/ratio_var": ratio_sq - ratio_mean ** 2,
                    "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
-                   "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float(grad_norm),
+                   "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+        if sampler is not None:
+            metrics["vllm/push_seconds"] = push_seconds
         if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
             metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
@@ -343,10 +372,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -24,17 +24,17 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
-from common.generation import generate, pad, token_logprobs
-from common.models import load_policy, load_tokenizer
+from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, load_policy, load_tokenizer
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
 
 @dataclass
-class Args:
+class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     # general
     seed: int = 1
-    """seed of the run (each process adds its rank)"""
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
     output_dir: str = "output/sft"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     run_name: str | None = None
@@ -158,12 +158,15 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
 
 def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
     """Greedy completions for the first few eval prompts, beside their references."""
-    if not accelerator.is_main_process or args.num_sample_generations <= 0:
+    if args.num_sample_generations <= 0:
         return
     rows = [eval_split[i] for i in range(min(args.num_sample_generations, len(eval_split)))]
     prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] for r in rows]
-    _, _, completion_ids, _, _ = generate(accelerator.unwrap_model(model), tokenizer,
-                                          [encode_prompt(tokenizer, p) for p in prompts], args.max_new_tokens, 0.0)
+    with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
+        if not accelerator.is_main_process:
+            return
+        _, _, completion_ids, _, _ = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
+                                              args.max_new_tokens, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     samples = [{"prompt": str(p), "completion": c, "reference": str(r.get("completion", r.get("messages", [""])[-1]))}
                for p, c, r in zip(prompts, texts, rows)]
@@ -201,7 +204,7 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = load_policy(args.model_name_or_path, tokenizer)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
@@ -249,7 +252,7 @@ def main(args: Args):
 
         # ---- LOG ----
         metrics = {"loss": accelerator.reduce(total_loss, "mean").item() / args.gradient_accumulation_steps,
-                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                   "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                    "num_tokens": global_tokens.item(), "epoch": step / max(1, steps_per_epoch),
                    "steps_per_second": step / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
@@ -261,10 +264,11 @@ def main(args: Args):
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-        result = tiny_tldr.judge_policy(accelerator.unwrap_model(model), tokenizer, args.gold_eval_split)
-        tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-        print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
+    with unwrapped_for_generation(accelerator, model) as unwrapped:
+        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
+            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
+            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
+            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -1,8 +1,14 @@
 """Padding, sampling completions, cutting them at the stop token, and per-token logprobs."""
 
+import contextlib
+import math
+
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig
+from transformers import (GenerationConfig, LogitsProcessor, MinPLogitsWarper, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
+
+from common.models import deepspeed_stage
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,20 +29,40 @@ def truncate_at_stop(ids: torch.Tensor, stop_id: int, pad_id: int):
     return ids.masked_fill(~keep, pad_id), keep.long(), finished
 
 
+class SeededSampler(LogitsProcessor):
+    """Draws each row's next token with that row's own torch.Generator, after temperature / top-k /
+    top-p / min-p, and returns scores on which greedy decoding picks the drawn token. A completion
+    then depends only on its prompt and seed, not on the rest of its batch or on how many processes
+    share the batch (HF sampling draws all rows from one global generator), so runs on 1 and on N
+    processes sample the same completions."""
+
+    def __init__(self, seeds: list[int], device, temperature: float, top_k: int, top_p: float, min_p: float):
+        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + (
+            [TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)
+        tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        return torch.full_like(scores, -math.inf).scatter_(1, tokens[:, None], 0.0)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             batch_size: int = 64):
-    """Sample completions with HF `generate` (temperature 0: greedy) for left-padded prompts.
+             batch_size: int = 64, seeds: list[int] | None = None):
+    """Sample completions with HF `generate` (temperature 0: greedy) for left-padded prompts; row i
+    is sampled with seed seeds[i] (default: drawn from torch's global generator).
 
     Returns (prompt_ids, prompt_mask, completion_ids, completion_mask, finished); completions are cut
     after the first EOS, so `completion_mask` covers exactly the tokens the policy emitted up to and
     including EOS, and `finished` says which completions stopped by themselves."""
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or None,
-        top_p=top_p if temperature > 0 else None, top_k=top_k if temperature > 0 else None,
-        min_p=(min_p or None) if temperature > 0 else None, repetition_penalty=repetition_penalty,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=repetition_penalty,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if temperature > 0 and seeds is None:
+        seeds = torch.randint(2**62, (len(prompts),)).tolist()
     prompt_ids, prompt_mask = pad(prompts, tokenizer.pad_token_id, side="left")
     device = next(model.parameters()).device
     was_training = model.training
@@ -44,13 +70,27 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     chunks = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        sampler = [SeededSampler(seeds[i:i + batch_size], device, temperature, top_k, top_p, min_p)] if temperature > 0 else []
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler)
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
                             value=tokenizer.pad_token_id))
     model.train(was_training)
     completion_ids, completion_mask, finished = truncate_at_stop(
         torch.cat(chunks), tokenizer.eos_token_id, tokenizer.pad_token_id)
     return prompt_ids.to(device), prompt_mask.to(device), completion_ids, completion_mask, finished
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(accelerator, model):
+    """The bare model to call `generate` on. Under ZeRO-3 its full weights are gathered on every rank
+    first (all ranks must enter), so that decoding does not gather each layer again for every token."""
+    unwrapped = accelerator.unwrap_model(model)
+    if deepspeed_stage(accelerator) != 3:
+        yield unwrapped
+        return
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        yield unwrapped
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -64,5 +104,6 @@ def shifted_logits(model, input_ids, attention_mask) -> torch.Tensor:
     """Logits at positions 0..T-2, aligned with the tokens they predict, `input_ids[:, 1:]`.
     Positions count real tokens only, so left padding (as in generation) gives the same values as right."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False).logits[:, :-1]
 

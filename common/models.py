@@ -1,6 +1,9 @@
-"""Loading tokenizers, policies and reward models from a hub name or a local directory."""
+"""Loading tokenizers, policies and reward models; LoRA, gradient checkpointing, frozen models."""
 
+import contextlib
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -24,6 +27,27 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         hint = "" if os.path.isdir(path) else (
             " (not a local directory; as a hub name it needs network access)")
         raise UserError(f"could not load '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
+
+
+@dataclass
+class ModelArgs:
+    """Flags shared by every script: how the trained model is loaded and fitted into memory."""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
 
 def load_tokenizer(name_or_path: str):
@@ -67,6 +91,59 @@ def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto"):
     model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, num_labels=1,
                              dtype=_dtype(dtype))
     return fit_embeddings(model, tokenizer)
+
+
+def adapt(model, args, task_type: str = "CAUSAL_LM"):
+    """Turn on gradient checkpointing and wrap the model with LoRA adapters, as the flags ask."""
+    if args.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and DDP
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not args.use_peft:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("--use_peft needs peft: pip install 'minimal-post-training[peft]'") from None
+    targets = args.lora_target_modules
+    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets[0] if targets == ["all-linear"] else targets)
+    return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def reference(accelerator, model, ref_model):
+    """The frozen reference model: its own copy, or with LoRA the policy itself with adapters off."""
+    if ref_model is not None:
+        yield ref_model
+    else:
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield model
+
+
+def deepspeed_stage(accelerator) -> int | None:
+    plugin = accelerator.state.deepspeed_plugin
+    return None if plugin is None else plugin.zero_stage
+
+
+_frozen_engines = []  # DeepSpeed engines of frozen models, kept alive for their parameter hooks
+
+
+def prepare_frozen(accelerator, model):
+    """A model that is only evaluated (reference, reward model): eval mode, no gradients, on the
+    device. Under DeepSpeed it goes through an inference-only engine in the training dtype; under
+    ZeRO-3 that engine shards it (it is loaded from disk, never deep-copied from a sharded module)."""
+    model.eval().requires_grad_(False)
+    stage = deepspeed_stage(accelerator)
+    if stage is None:
+        return model.to(accelerator.device)
+    import deepspeed
+    trained = accelerator.state.deepspeed_plugin.deepspeed_config
+    config = {"train_micro_batch_size_per_gpu": trained["train_micro_batch_size_per_gpu"],
+              "bf16": {"enabled": trained.get("bf16", {}).get("enabled", False) is True},
+              "fp16": {"enabled": trained.get("fp16", {}).get("enabled", False) is True},
+              "zero_optimization": {"stage": 3 if stage == 3 else 0}}
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    _frozen_engines.append(engine)
+    return engine.module.eval()
 
 
 def _dtype(name: str):

@@ -16,16 +16,16 @@ import torch
 
 from common.data import encode_completion, encode_prompt
 from common.generation import pad
-from common.models import load_reward_model, load_tokenizer
+from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
 
-def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, device):
+def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator):
     """[(name, model or function, tokenizer or None)] and their weights (default: all 1)."""
     sources = []
     for path in model_paths:
         tokenizer = load_tokenizer(path)
-        model = load_reward_model(path, tokenizer).eval().requires_grad_(False).to(device)
+        model = prepare_frozen(accelerator, load_reward_model(path, tokenizer))
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
     for spec in function_specs:
         sources.append((spec.partition(":")[2], import_function(spec), None))

@@ -32,15 +32,20 @@ def exact_div(a: int, b: int, message: str) -> int:
     return a // b
 
 
-def setup(args, mixed_precision: str | None = None) -> Accelerator:
-    """Accelerator with gradient accumulation, and seeds that differ per rank (so that ranks sample
-    different completions) but are reproducible. Fills in `args.world_size`, `args.run_name`."""
+def setup(args) -> Accelerator:
+    """Accelerator with gradient accumulation (and bf16 with --bf16), and the same seed on every rank
+    (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion). Fills in `args.world_size`, `args.run_name`, and under DeepSpeed the batch
+    size and clipping norm it would otherwise expect from a prepared DataLoader or its config."""
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=mixed_precision)
-    set_seed(args.seed, device_specific=True)  # seed + process index
+                              mixed_precision="bf16" if getattr(args, "bf16", False) else None)
+    set_seed(args.seed)
     args.world_size = accelerator.num_processes
     if not getattr(args, "run_name", None):
         script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
         args.run_name = f"{script}__{args.seed}__{int(time.time())}"
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator

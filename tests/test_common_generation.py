@@ -1,5 +1,7 @@
 """Padding, stop-token truncation, generation and logprob gathering."""
 
+import math
+
 import torch
 
 from common.generation import generate, pad, shifted_logits, token_logprobs, truncate_at_stop
@@ -73,3 +75,29 @@ def test_generate_returns_masked_completions(tiny_model, tokenizer):
         assert (tokenizer.eos_token_id in kept) == bool(f)
         if f:
             assert kept.index(tokenizer.eos_token_id) == len(kept) - 1
+
+
+def test_seeded_sampler_draws_from_the_warped_distribution():
+    from common.generation import SeededSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n, temperature = 4000, 0.7
+    scores = logits.repeat(n, 1)
+    picks = SeededSampler(list(range(n)), "cpu", temperature, 0, 1.0, 0.0)(None, scores).argmax(-1)
+    expected = [math.exp(x / temperature) for x in logits.tolist()]
+    expected = [e / sum(expected) for e in expected]
+    observed = torch.bincount(picks, minlength=4).float() / n
+    assert all(abs(o - e) < 0.03 for o, e in zip(observed.tolist(), expected)), (observed, expected)
+    # top-k 2 leaves only the two largest logits
+    picks = SeededSampler(list(range(n)), "cpu", 1.0, 2, 1.0, 0.0)(None, scores).argmax(-1)
+    assert set(picks.tolist()) == {0, 1}
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(tiny_model, tokenizer):
+    model = load_policy(tiny_model, tokenizer)
+    a, b = tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids
+    together = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33])[2]
+    alone = generate(model, tokenizer, [b], 8, temperature=1.0, seeds=[22])[2]
+    split = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33], batch_size=1)[2]
+    assert torch.equal(together[1], alone[0]) and torch.equal(together, split)
+    assert not torch.equal(together[1], together[2])  # same prompt, other seed: another sample

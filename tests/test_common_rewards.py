@@ -26,7 +26,7 @@ def reward_module(monkeypatch):
 
 def test_weights_none_and_columns(reward_module):
     sources, weights = load_reward_sources([], ["toy_mod:length", "toy_mod:sometimes", "toy_mod:columns"],
-                                           [0.5, 1.0, 2.0], "cpu")
+                                           [0.5, 1.0, 2.0], None)
     total, per_source = compute_rewards(sources, weights, ["p", "p"], ["ab", "xyz"], {"topic": ["cats", "dogs"]})
     # "ab": 0.5*2 + 10 + 2*1 = 13; "xyz": 0.5*3 + (None: left out) + 2*0 = 1.5
     assert total.tolist() == [13.0, 1.5]
@@ -38,18 +38,18 @@ def test_weights_none_and_columns(reward_module):
     ("toy_mod:broken", None, "reward function 'broken' raised ZeroDivisionError"),
 ])
 def test_bad_reward_functions_are_one_line_errors(reward_module, spec, weights, message):
-    sources, weights = load_reward_sources([], [spec], weights, "cpu")
+    sources, weights = load_reward_sources([], [spec], weights, None)
     with pytest.raises(UserError, match=message):
         compute_rewards(sources, weights, ["p", "p"], ["a", "b"], {})
 
 
 def test_reward_source_errors(reward_module):
     with pytest.raises(UserError, match="could not import reward function 'toy_mod:missing'"):
-        load_reward_sources([], ["toy_mod:missing"], None, "cpu")
+        load_reward_sources([], ["toy_mod:missing"], None, None)
     with pytest.raises(UserError, match="no reward"):
-        load_reward_sources([], [], None, "cpu")
+        load_reward_sources([], [], None, None)
     with pytest.raises(UserError, match="2 reward_weights for 1 rewards"):
-        load_reward_sources([], ["toy_mod:length"], [1.0, 2.0], "cpu")
+        load_reward_sources([], ["toy_mod:length"], [1.0, 2.0], None)
 
 
 def test_reward_model_reads_prompt_completion_eos_left_truncated(tiny_model, tokenizer):

@@ -1,0 +1,195 @@
+"""Sampling with vLLM for the online scripts (`--use_vllm`), imported only when asked for.
+
+colocate: an in-process `vllm.LLM` on each training GPU. After every optimizer step the policy's
+    weights are pushed into it one parameter at a time (each gathered alone under ZeRO-3).
+server: a vLLM server on other GPUs, started beforehand with the RL endpoints switched on:
+        VLLM_SERVER_DEV_MODE=1 CUDA_VISIBLE_DEVICES=7 vllm serve output/sft --port 8000 \\
+            --weight-transfer-config '{"backend": "nccl"}'
+    Completions come over HTTP; the weights go over NCCL with vLLM's own weight-transfer engine
+    (vLLM >= 0.32), rank 0 of the trainer sending to the server's workers.
+Either way the training logprobs are recomputed by the policy: the two engines' numbers differ, and
+the sampler's own logprobs only feed the optional truncated importance-sampling correction.
+"""
+
+import json
+import os
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from common.generation import pad, truncate_at_stop
+from common.models import deepspeed_stage
+from common.runtime import UserError
+
+
+@dataclass
+class VLLMArgs:
+    """Flags of the online scripts for sampling with vLLM."""
+    use_vllm: bool = False
+    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of the vLLM server"""
+    vllm_server_port: int = 8000
+    """server: HTTP port of the vLLM server"""
+    vllm_group_port: int = 51216
+    """server: port on which the trainer opens the NCCL group that carries the weights"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer before giving up"""
+    vllm_importance_sampling_cap: float | None = None
+    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+
+
+def _full_parameters(accelerator, model):
+    """(HF name, full tensor) of the policy, one parameter at a time: gathered alone under ZeRO-3,
+    and with LoRA the adapters merged into the base weights, under the base model's names."""
+    unwrapped = accelerator.unwrap_model(model)
+    peft = hasattr(unwrapped, "merge_adapter")
+    if peft:
+        unwrapped.merge_adapter()
+    try:
+        for name, param in unwrapped.named_parameters():
+            if peft:
+                if "lora_" in name or "modules_to_save" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            if deepspeed_stage(accelerator) == 3:
+                import deepspeed
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield name, param.data
+            else:
+                yield name, param.data
+    finally:
+        if peft:
+            unwrapped.unmerge_adapter()
+
+
+class VLLMSampler:
+    """Samples completions for token-id prompts (seed per completion) and takes new weights."""
+
+    def __init__(self, args, accelerator, model_path: str, max_length: int):
+        self.args, self.accelerator = args, accelerator
+        if args.vllm_mode == "server":
+            self._connect_server(args)
+        try:
+            import vllm
+        except ImportError:
+            raise UserError("--use_vllm needs vLLM: pip install 'minimal-post-training[vllm]' (on a CUDA machine)") from None
+        if args.use_peft and deepspeed_stage(accelerator) == 3:
+            raise UserError("--use_vllm with --use_peft under ZeRO-3 is not supported (merging adapters needs whole "
+                            "layers); use ZeRO-2 (configs/deepspeed_zero2.yaml): LoRA's optimizer state is small")
+        self.vllm = vllm
+        if args.vllm_mode == "server":
+            from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+            class Source(ModuleSource):  # full (gathered, merged) parameters under their HF names
+                def metadata(self):
+                    return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in _full_parameters(accelerator, self._module)]
+
+                def __iter__(self):
+                    return _full_parameters(accelerator, self._module)
+
+            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=args.vllm_server_host,
+                                       master_port=args.vllm_group_port, world_size=1 + self.server_world_size)
+            self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
+            self.sender = None
+            return
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
+        self.llm = vllm.LLM(
+            model=model_path, gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=max_length,
+            seed=args.seed, enable_sleep_mode=args.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs",
+            dtype=args.torch_dtype if args.torch_dtype != "auto" else "auto",
+            distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
+        if args.vllm_enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def _connect_server(self, args):
+        self.url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        deadline = time.time() + args.vllm_server_timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/get_world_size", timeout=5) as r:
+                    self.server_world_size = json.load(r)["world_size"]
+                    return
+            except OSError:
+                if time.time() > deadline:
+                    raise UserError(
+                        f"no vLLM server answered at {self.url} within {args.vllm_server_timeout:.0f} s; start one with "
+                        "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
+                        "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
+                time.sleep(2)
+
+    @torch.no_grad()
+    def push_weights(self, model) -> float:
+        """Load the policy's current weights into the engine; returns the seconds it took."""
+        start = time.time()
+        if self.args.vllm_mode == "server":
+            if self.sender is None:
+                self.sender = self.transfer(model)  # NCCL rendezvous with the server's workers, once
+            self.sender.send_weights()  # every rank iterates (gathers), rank 0 sends
+        else:
+            if self.args.vllm_enable_sleep_mode:
+                self.llm.wake_up(tags=["weights"])
+            weights = _full_parameters(self.accelerator, model)
+            self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights))
+            self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
+            if self.args.vllm_enable_sleep_mode:
+                self.llm.sleep(level=1)
+        return time.time() - start
+
+    def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, min_p: float, repetition_penalty: float, seeds: list[int]):
+        """As common.generation.generate, plus the sampler's logprob of each completion token [N, T]."""
+        params = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k or -1,
+                      min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0)
+        if self.args.vllm_mode == "server":
+            def one(prompt, seed):
+                body = json.dumps({"model": self.model_name, "prompt": prompt, "seed": seed, "return_token_ids": True,
+                                   **params}).encode()
+                request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=600) as r:
+                    choice = json.load(r)["choices"][0]
+                return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+            if not hasattr(self, "model_name"):
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as r:
+                    self.model_name = json.load(r)["data"][0]["id"]
+            with ThreadPoolExecutor(32) as pool:
+                results = list(pool.map(one, prompts, seeds))
+        else:
+            if self.args.vllm_enable_sleep_mode:
+                self.llm.wake_up(tags=["kv_cache"])
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
+            results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                       for o in outputs]
+            if self.args.vllm_enable_sleep_mode:
+                self.llm.sleep(level=1)
+        device = self.accelerator.device
+        prompt_ids, prompt_mask = pad(prompts, tokenizer.pad_token_id, side="left")
+        ids = torch.tensor([list(t) + [tokenizer.pad_token_id] * (max_new_tokens - len(t)) for t, _ in results])
+        logps = torch.tensor([list(lp) + [0.0] * (max_new_tokens - len(lp)) for _, lp in results])
+        completion_ids, completion_mask, finished = truncate_at_stop(ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
+                finished.to(device), logps.to(device) * completion_mask.to(device))
+
+
+def importance_weights(train_logps: torch.Tensor, sampler_logps: torch.Tensor | None, cap: float | None):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): vLLM samples from a slightly different distribution than the policy
+    trains on; weighting each token's loss by min(pi_train / pi_sampler, cap) corrects for it."""
+    if cap is None or sampler_logps is None:
+        return 1.0
+    return torch.exp(train_logps.detach() - sampler_logps).clamp(max=cap)
+
