@@ -11,8 +11,10 @@ Either way the training logprobs are recomputed by the policy: the two engines' 
 the sampler's own logprobs only feed the optional truncated importance-sampling correction.
 """
 
+import contextlib
 import json
 import os
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from transformers import AutoConfig
 
 from common.generation import pad, truncate_at_stop
 from common.models import deepspeed_stage
@@ -73,6 +76,24 @@ def _full_parameters(accelerator, model):
             unwrapped.unmerge_adapter()
 
 
+@contextlib.contextmanager
+def _keep_hf_classes():
+    """vLLM runs architectures it has no implementation of (Pythia's GPT-NeoX among them) through its
+    Transformers backend, which patches `__init__` / `__call__` of the HF model classes in place for
+    its compiler; in the same process that breaks the policy, an instance of the same class. Undo
+    the patches once the engine is built (its own instance then runs eagerly)."""
+    classes = {cls: {k: cls.__dict__.get(k) for k in ("__init__", "__call__")}
+               for name, module in list(sys.modules.items()) if name.startswith("transformers.models.")
+               for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+    try:
+        yield
+    finally:
+        for cls, saved in classes.items():
+            for key, value in saved.items():
+                if cls.__dict__.get(key) is not value:
+                    setattr(cls, key, value) if value is not None else delattr(cls, key)
+
+
 class VLLMSampler:
     """Samples completions for token-id prompts (seed per completion) and takes new weights."""
 
@@ -107,11 +128,13 @@ class VLLMSampler:
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
-        self.llm = vllm.LLM(
-            model=model_path, gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=max_length,
-            seed=args.seed, enable_sleep_mode=args.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs",
-            dtype=args.torch_dtype if args.torch_dtype != "auto" else "auto",
-            distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
+        with _keep_hf_classes():
+            self.llm = vllm.LLM(
+                model=model_path, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_len=min(max_length, getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_length)),
+                seed=args.seed, enable_sleep_mode=args.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs",
+                dtype=args.torch_dtype if args.torch_dtype != "auto" else "auto",
+                distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
         if args.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)
 
@@ -143,7 +166,8 @@ class VLLMSampler:
             if self.args.vllm_enable_sleep_mode:
                 self.llm.wake_up(tags=["weights"])
             weights = _full_parameters(self.accelerator, model)
-            self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=weights))
+            # vLLM's in-place reload: checkpoint-format weights, re-processed layer by layer into kernel layouts
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
             if self.args.vllm_enable_sleep_mode:
                 self.llm.sleep(level=1)

