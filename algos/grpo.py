@@ -202,6 +202,8 @@ def main(args: Args):
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
+    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
+        VLLMSampler.check(args, accelerator)
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)

@@ -157,6 +157,8 @@ def main(args: Args):
     if args.max_new_tokens >= args.max_length:
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt under max_length {args.max_length}")
 
+    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
+        VLLMSampler.check(args, accelerator)
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)

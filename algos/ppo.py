@@ -221,6 +221,8 @@ def main(args: Args):
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
+    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
+        VLLMSampler.check(args, accelerator)
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)

@@ -94,13 +94,29 @@ def _keep_hf_classes():
                     setattr(cls, key, value) if value is not None else delattr(cls, key)
 
 
+def wait_for_server(args) -> tuple[str, int]:
+    """(URL, number of its workers) of the vLLM server, waiting up to --vllm_server_timeout for it."""
+    url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    deadline = time.time() + args.vllm_server_timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/get_world_size", timeout=5) as r:
+                return url, json.load(r)["world_size"]
+        except OSError:
+            if time.time() > deadline:
+                raise UserError(
+                    f"no vLLM server answered at {url} within {args.vllm_server_timeout:.0f} s; start one with "
+                    "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
+                    "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
+            time.sleep(1)
+
+
 class VLLMSampler:
     """Samples completions for token-id prompts (seed per completion) and takes new weights."""
 
-    def __init__(self, args, accelerator, model_path: str, max_length: int):
-        self.args, self.accelerator = args, accelerator
-        if args.vllm_mode == "server":
-            self._connect_server(args)
+    @staticmethod
+    def check(args, accelerator):
+        """Fail early, before any model loads: vLLM importable, the options compatible, the server up."""
         try:
             import vllm
         except ImportError:
@@ -108,7 +124,15 @@ class VLLMSampler:
         if args.use_peft and deepspeed_stage(accelerator) == 3:
             raise UserError("--use_vllm with --use_peft under ZeRO-3 is not supported (merging adapters needs whole "
                             "layers); use ZeRO-2 (configs/deepspeed_zero2.yaml): LoRA's optimizer state is small")
-        self.vllm = vllm
+        if args.vllm_mode == "server":
+            wait_for_server(args)
+        return vllm
+
+    def __init__(self, args, accelerator, model_path: str, max_length: int):
+        self.args, self.accelerator = args, accelerator
+        self.vllm = vllm = self.check(args, accelerator)
+        if args.vllm_mode == "server":
+            self.url, self.server_world_size = wait_for_server(args)
         if args.vllm_mode == "server":
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -137,22 +161,6 @@ class VLLMSampler:
                 distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
         if args.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)
-
-    def _connect_server(self, args):
-        self.url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        deadline = time.time() + args.vllm_server_timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/get_world_size", timeout=5) as r:
-                    self.server_world_size = json.load(r)["world_size"]
-                    return
-            except OSError:
-                if time.time() > deadline:
-                    raise UserError(
-                        f"no vLLM server answered at {self.url} within {args.vllm_server_timeout:.0f} s; start one with "
-                        "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
-                        "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
-                time.sleep(2)
 
     @torch.no_grad()
     def push_weights(self, model) -> float:

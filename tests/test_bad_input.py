@@ -3,6 +3,7 @@ and nothing already saved in the output directory is touched."""
 
 import json
 import os
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -102,3 +103,28 @@ def test_bad_inputs_to_kto(tmp_path, sft_model, rows, extra, message):
                     dataset_test_split="", max_steps=1, output_dir=str(tmp_path / "kto"), **extra)
     with pytest.raises(UserError, match=message):
         kto.main(args)
+
+
+def test_scale_out_options_fail_early_with_one_line(tmp_path, sft_model, monkeypatch):
+    from algos import grpo
+
+    common = dict(model_name_or_path=sft_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"],
+                  max_steps=1, per_device_train_batch_size=4, num_generations=2, output_dir=str(tmp_path / "out"))
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
+    with pytest.raises(UserError, match=r"--use_vllm needs vLLM: pip install 'minimal-post-training\[vllm\]'"):
+        grpo.main(grpo.Args(use_vllm=True, **common))
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)
+    with pytest.raises(UserError, match=r"--use_peft needs peft: pip install 'minimal-post-training\[peft\]'"):
+        grpo.main(grpo.Args(use_peft=True, **common))
+    with pytest.raises(UserError, match="--sync_ref_model mixes the policy into a separate reference"):
+        dpo.main(dpo.Args(model_name_or_path=sft_model, use_peft=True, sync_ref_model=True))
+
+
+def test_a_server_that_never_comes_up_is_one_clear_error():
+    from common.vllm import VLLMArgs, wait_for_server
+
+    args = VLLMArgs(use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_timeout=2)  # nothing listens on 9
+    start = time.time()
+    with pytest.raises(UserError, match=r"no vLLM server answered at http://127.0.0.1:9 within 2 s; start one with "):
+        wait_for_server(args)
+    assert time.time() - start < 10

@@ -58,3 +58,4 @@ def test_colocated_engine_follows_pushed_weights(sft_model):
     a = sampler.generate(tokenizer, prompts[:2], **sample, seeds=[5, 6])[2]
     b = sampler.generate(tokenizer, prompts[1:2], **sample, seeds=[6])[2]
     assert torch.equal(a[1], b[0])
+
