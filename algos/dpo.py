@@ -46,7 +46,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import ModelArgs, adapt, deepspeed_stage, load_policy, load_tokenizer, prepare_frozen, reference
+from common.models import adapt, deepspeed_stage, load_policy, load_tokenizer, prepare_frozen, reference
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
@@ -55,7 +55,7 @@ LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard",
 
 
 @dataclass
-class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
+class Args:
     # general
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
@@ -143,6 +143,24 @@ class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     """token budget of generated samples"""
     gold_eval_split: str = "test"
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # memory, precision and LoRA
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
     # filled in at runtime
     world_size: int = 0

@@ -34,15 +34,15 @@ from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import ModelArgs, adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, import_function, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
-from common.vllm import VLLMArgs, VLLMSampler
+from common.vllm import VLLMSampler
 
 
 @dataclass
-class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vLLM flags (common/vllm.py)
+class Args:
     # general
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
@@ -117,6 +117,44 @@ class Args(ModelArgs, VLLMArgs):  # + model/LoRA flags (common/models.py) and vL
     """print a table of sampled pairs with their scores every this many steps"""
     gold_eval_split: str = "test"
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # memory, precision and LoRA
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+
+    # sampling with vLLM (common/vllm.py)
+    use_vllm: bool = False
+    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of the vLLM server"""
+    vllm_server_port: int = 8000
+    """server: HTTP port of the vLLM server"""
+    vllm_group_port: int = 51216
+    """server: port on which the trainer opens the NCCL group that carries the weights"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer before giving up"""
+    vllm_importance_sampling_cap: float | None = None
+    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
 
     # filled in at runtime
     world_size: int = 0

@@ -18,6 +18,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,13 @@ from benchmarks import tiny_tldr
 from common.checkpoint import save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad
-from common.models import ModelArgs, adapt, load_reward_model, load_tokenizer
+from common.models import adapt, load_reward_model, load_tokenizer
 from common.runtime import UserError, exit_on_user_error, setup
 from common.tracking import Tracker
 
 
 @dataclass
-class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
+class Args:
     # general
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
@@ -94,6 +95,24 @@ class Args(ModelArgs):  # + model/LoRA flags (common/models.py)
     """evaluate every this many optimizer steps (and at the end)"""
     num_sample_pairs: int = 4
     """eval pairs printed with their rewards at each evaluation"""
+
+    # memory, precision and LoRA
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
     # filled in at runtime
     world_size: int = 0

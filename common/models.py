@@ -2,8 +2,6 @@
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -27,27 +25,6 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
         hint = "" if os.path.isdir(path) else (
             " (not a local directory; as a hub name it needs network access)")
         raise UserError(f"could not load '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
-
-
-@dataclass
-class ModelArgs:
-    """Flags shared by every script: how the trained model is loaded and fitted into memory."""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
 
 def load_tokenizer(name_or_path: str):

@@ -1,15 +1,11 @@
-"""Sampling with vLLM for the online scripts (`--use_vllm`), imported only when asked for.
+"""Sampling with vLLM for the online scripts (`--use_vllm`; vLLM is imported only then).
 
-colocate: an in-process `vllm.LLM` on each training GPU. After every optimizer step the policy's
-    weights are pushed into it one parameter at a time (each gathered alone under ZeRO-3).
-server: a vLLM server on other GPUs, started beforehand with the RL endpoints switched on:
-        VLLM_SERVER_DEV_MODE=1 CUDA_VISIBLE_DEVICES=7 vllm serve output/sft --port 8000 \\
-            --weight-transfer-config '{"backend": "nccl"}'
-    Completions come over HTTP; the weights go over NCCL with vLLM's own weight-transfer engine
-    (vLLM >= 0.32), rank 0 of the trainer sending to the server's workers.
-Either way the training logprobs are recomputed by the policy: the two engines' numbers differ, and
-the sampler's own logprobs only feed the optional truncated importance-sampling correction.
-"""
+colocate: an in-process `vllm.LLM` per training GPU; the policy's weights are pushed into it one
+    parameter at a time (each gathered alone under ZeRO-3) with vLLM's in-place `reload_weights`.
+server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'`
+    on other GPUs; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine.
+The training logprobs are always recomputed by the policy (the engines' numbers differ); the
+sampler's logprobs only feed the optional truncated importance-sampling correction."""
 
 import contextlib
 import json
@@ -18,8 +14,6 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from transformers import AutoConfig
@@ -29,42 +23,25 @@ from common.models import deepspeed_stage
 from common.runtime import UserError
 
 
-@dataclass
-class VLLMArgs:
-    """Flags of the online scripts for sampling with vLLM."""
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    vllm_importance_sampling_cap: float | None = None
-    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+def _hf_parameters(model):
+    """(name in the base model's checkpoint, parameter): with LoRA, the base weights only."""
+    for name, param in model.named_parameters():
+        if hasattr(model, "merge_adapter"):  # peft
+            if "lora_" in name or "modules_to_save" in name:
+                continue
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        yield name, param
 
 
 def _full_parameters(accelerator, model):
     """(HF name, full tensor) of the policy, one parameter at a time: gathered alone under ZeRO-3,
-    and with LoRA the adapters merged into the base weights, under the base model's names."""
+    and with LoRA the adapters merged into the base weights first."""
     unwrapped = accelerator.unwrap_model(model)
     peft = hasattr(unwrapped, "merge_adapter")
     if peft:
         unwrapped.merge_adapter()
     try:
-        for name, param in unwrapped.named_parameters():
-            if peft:
-                if "lora_" in name or "modules_to_save" in name:
-                    continue
-                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        for name, param in _hf_parameters(unwrapped):
             if deepspeed_stage(accelerator) == 3:
                 import deepspeed
                 with deepspeed.zero.GatheredParameters([param]):
@@ -133,14 +110,14 @@ class VLLMSampler:
         self.vllm = vllm = self.check(args, accelerator)
         if args.vllm_mode == "server":
             self.url, self.server_world_size = wait_for_server(args)
-        if args.vllm_mode == "server":
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
             class Source(ModuleSource):  # full (gathered, merged) parameters under their HF names
-                def metadata(self):
-                    return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in _full_parameters(accelerator, self._module)]
+                def metadata(self):  # shapes without gathering (ds_shape: the full shape under ZeRO-3)
+                    return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                            for n, p in _hf_parameters(accelerator.unwrap_model(self._module))]
 
                 def __iter__(self):
                     return _full_parameters(accelerator, self._module)
@@ -215,13 +192,4 @@ class VLLMSampler:
         completion_ids, completion_mask, finished = truncate_at_stop(ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
         return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
                 finished.to(device), logps.to(device) * completion_mask.to(device))
-
-
-def importance_weights(train_logps: torch.Tensor, sampler_logps: torch.Tensor | None, cap: float | None):
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): vLLM samples from a slightly different distribution than the policy
-    trains on; weighting each token's loss by min(pi_train / pi_sampler, cap) corrects for it."""
-    if cap is None or sampler_logps is None:
-        return 1.0
-    return torch.exp(train_logps.detach() - sampler_logps).clamp(max=cap)
 

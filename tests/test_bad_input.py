@@ -121,9 +121,10 @@ def test_scale_out_options_fail_early_with_one_line(tmp_path, sft_model, monkeyp
 
 
 def test_a_server_that_never_comes_up_is_one_clear_error():
-    from common.vllm import VLLMArgs, wait_for_server
+    from algos import grpo
+    from common.vllm import wait_for_server
 
-    args = VLLMArgs(use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_timeout=2)  # nothing listens on 9
+    args = grpo.Args(use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_timeout=2)  # nothing listens on 9
     start = time.time()
     with pytest.raises(UserError, match=r"no vLLM server answered at http://127.0.0.1:9 within 2 s; start one with "):
         wait_for_server(args)

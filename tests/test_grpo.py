@@ -34,16 +34,17 @@ MASK = [[1, 1, 0], [1, 1, 1]]
 EPS_LOW, EPS_HIGH, BETA, MAX_LEN, NUM_ITEMS = 0.2, 0.28, 0.1, 4, 7.0
 
 
-def token_losses(sequence_level=False):
-    """-min(r A, clip(r) A) + beta k3, token by token, from the formulas."""
+def token_losses(sequence_level=False, weights=None):
+    """-w min(r A, clip(r) A) + beta k3, token by token, from the formulas (w: importance weights)."""
     out = []
-    for lp, old, ref, a, m in zip(LOGPS, OLD, REF, ADV, MASK):
+    weights = weights or [[1.0] * 3] * 2
+    for lp, old, ref, a, m, w in zip(LOGPS, OLD, REF, ADV, MASK, weights):
         n = sum(m)
         seq_ratio = math.exp(sum((x - o) * k for x, o, k in zip(lp, old, m)) / n)
         row = []
-        for x, o, r in zip(lp, old, ref):
+        for x, o, r, wt in zip(lp, old, ref, w):
             ratio = seq_ratio if sequence_level else math.exp(x - o)
-            surrogate = -min(ratio * a, min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH) * a)
+            surrogate = -min(ratio * a, min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH) * a) * wt
             row.append(surrogate + BETA * (math.exp(r - x) - (r - x) - 1))
         out.append(row)
     return out
@@ -67,6 +68,14 @@ def test_loss_types_against_the_formulas(loss_type, level):
     loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), loss_type, EPS_LOW,
                              EPS_HIGH, BETA, level, MAX_LEN, NUM_ITEMS)
     assert loss.item() == pytest.approx(aggregate(token_losses(level == "sequence"), loss_type), rel=1e-5)
+
+
+def test_importance_weights_scale_the_clipped_term_but_not_the_kl():
+    t = torch.tensor
+    weights = [[0.5, 2.0, 1.0], [1.5, 1.0, 0.25]]
+    loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), "dapo", EPS_LOW,
+                             EPS_HIGH, BETA, "token", MAX_LEN, NUM_ITEMS, t(weights))
+    assert loss.item() == pytest.approx(aggregate(token_losses(weights=weights), "dapo"), rel=1e-5)
 
 
 def test_with_one_iteration_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():

