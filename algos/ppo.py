@@ -306,8 +306,9 @@ def main(args: Args):
         for i in range(0, len(input_ids), args.local_rollout_forward_batch_size):
             s = slice(i, i + args.local_rollout_forward_batch_size)
             logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
+            ref = ref_model if ref_model is not None else policy
             with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
-                ref_logits = shifted_logits(ref_model or policy, input_ids[s], attention_mask[s])[:, prompt_width - 1:]
+                ref_logits = shifted_logits(ref, input_ids[s], attention_mask[s])[:, prompt_width - 1:]
             outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits / args.temperature,
                                                                                  response_ids[s]), values))
         return (torch.cat(x) for x in zip(*outs))

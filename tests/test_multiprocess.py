@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
-QUIET = ["--gold_eval_split", "", "--logging_steps", "1"]
 CASES = {  # script: (flags, logged losses to compare); per-device batch sizes fixed, accumulation set below
     "sft": (["--per_device_train_batch_size", "4", "--eval_steps", "2", "--num_sample_generations", "0"], ["loss", "eval_loss"]),
     "reward": (["--per_device_train_batch_size", "4", "--eval_steps", "2", "--num_sample_pairs", "0"], ["loss", "eval_loss"]),
@@ -40,7 +39,8 @@ def test_two_processes_match_one_process(tmp_path, sft_model, script):
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
         model += ["--reward_model_path", sft_model]
-    common = [f"algos/{script}.py", "--max_steps", "2", *QUIET, *model, *flags]
+    quiet = ["--logging_steps", "1"] + ([] if script == "reward" else ["--gold_eval_split", ""])
+    common = [f"algos/{script}.py", "--max_steps", "2", *quiet, *model, *flags]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     os.environ["ACCELERATE_USE_CPU"] = "true"
