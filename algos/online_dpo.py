@@ -119,6 +119,8 @@ class Args:
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
@@ -258,7 +260,7 @@ def main(args: Args):
             if sampler is not None:
                 p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(*sampling, seeds)
             else:
-                with unwrapped_for_generation(accelerator, model) as unwrapped:
+                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
                     p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]

@@ -133,6 +133,8 @@ class Args:
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
@@ -327,7 +329,7 @@ def main(args: Args):
                 push_seconds = sampler.push_weights(accelerator.unwrap_model(model).policy)
             p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
         else:
-            with unwrapped_for_generation(accelerator, model) as unwrapped:
+            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
                 p_ids, p_mask, r_ids, r_mask, finished = generate(unwrapped.policy, *sampling, seeds=seeds)
             sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device)
         if args.stop_token == "none":

@@ -138,6 +138,8 @@ class Args:
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
@@ -308,7 +310,7 @@ def main(args: Args):
                 push_seconds = sampler.push_weights(model)
             p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
         else:
-            with unwrapped_for_generation(accelerator, model) as unwrapped:
+            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
                 p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
             sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device)
         # the same prompt width on every rank, so that the rollout can be gathered

@@ -81,11 +81,12 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
 
 
 @contextlib.contextmanager
-def unwrapped_for_generation(accelerator, model):
+def unwrapped_for_generation(accelerator, model, gather: bool = True):
     """The bare model to call `generate` on. Under ZeRO-3 its full weights are gathered on every rank
-    first (all ranks must enter), so that decoding does not gather each layer again for every token."""
+    first (all ranks must enter), so that decoding does not gather each layer again for every token;
+    gather=False, for a model too large to gather, decodes sharded (HF then keeps the ranks in step)."""
     unwrapped = accelerator.unwrap_model(model)
-    if deepspeed_stage(accelerator) != 3:
+    if deepspeed_stage(accelerator) != 3 or not gather:
         yield unwrapped
         return
     import deepspeed
