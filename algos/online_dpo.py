@@ -32,11 +32,11 @@ from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
-from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
-from common.rewards import compute_rewards, import_function, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup
+from common.rewards import compute_rewards, import_judge, load_reward_sources
+from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 from common.vllm import VLLMSampler
 
@@ -117,6 +117,20 @@ class Args:
     """print a table of sampled pairs with their scores every this many steps"""
     gold_eval_split: str = "test"
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # checkpoints and stopping (common/checkpoint.py)
+    save_steps: int = 0
+    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
+    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
+    is replaced only when this run finishes)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
 
     # memory, precision and LoRA
     ds3_gather_for_generation: bool = True
@@ -204,6 +218,8 @@ def main(args: Args):
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
     rows = list(dataset)
+    check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
@@ -212,7 +228,7 @@ def main(args: Args):
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
     judge = None
     if args.judge:
-        judge = import_function(args.judge, "judge")
+        judge = import_judge(args.judge)
     else:
         sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
                                                accelerator)
@@ -273,8 +289,6 @@ def main(args: Args):
                            for p, t in zip(prompts, texts)]
             if judge is not None:
                 picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
-                if len(picks) != len(indices) or any(p not in (0, 1) for p in picks):
-                    raise UserError(f"judge '{args.judge}' must return 0 or 1 for each of the {len(indices)} pairs")
                 # a judge ranks without scores: the pick scores 1, the other 0
                 scores = torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten().to(accelerator.device)
             else:
@@ -342,5 +356,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
+    with exit_on_user_error(), stop_on_signal():
         main(tyro.cli(Args))

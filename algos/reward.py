@@ -30,7 +30,7 @@ from common.checkpoint import save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad
 from common.models import adapt, load_reward_model, load_tokenizer
-from common.runtime import UserError, exit_on_user_error, setup
+from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
 
@@ -95,6 +95,20 @@ class Args:
     """evaluate every this many optimizer steps (and at the end)"""
     num_sample_pairs: int = 4
     """eval pairs printed with their rewards at each evaluation"""
+
+    # checkpoints and stopping (common/checkpoint.py)
+    save_steps: int = 0
+    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
+    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
+    is replaced only when this run finishes)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
 
     # memory, precision and LoRA
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -219,7 +233,8 @@ def main(args: Args):
         eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
     steps_per_epoch = len(train_examples) // args.total_batch_size
     args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
-    if args.num_steps <= 0:
+    # with --max_steps too: fewer examples than one batch would leave micro_batches() waiting forever
+    if args.num_steps <= 0 or len(train_examples) < args.per_device_train_batch_size * args.world_size:
         raise UserError(
             f"{len(train_examples)} training pairs make no full batch of {args.total_batch_size} "
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
@@ -290,5 +305,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
+    with exit_on_user_error(), stop_on_signal():
         main(tyro.cli(Args))

@@ -32,11 +32,11 @@ from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
 from common.checkpoint import save_model
-from common.data import check_columns, encode_prompt, is_conversational, load_split
+from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup
+from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 from common.vllm import VLLMSampler
 
@@ -136,6 +136,20 @@ class Args:
     """print a table of sampled completions with their scores every this many rollouts"""
     gold_eval_split: str = "test"
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # checkpoints and stopping (common/checkpoint.py)
+    save_steps: int = 0
+    """save a resumable checkpoint in <output_dir>/checkpoints every this many rollouts (0: only when
+    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
+    is replaced only when this run finishes)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
 
     # memory, precision and LoRA
     ds3_gather_for_generation: bool = True
@@ -249,6 +263,10 @@ def main(args: Args):
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
+    check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k,
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+                               f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
+                               f"{args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
@@ -425,5 +443,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
+    with exit_on_user_error(), stop_on_signal():
         main(tyro.cli(Args))

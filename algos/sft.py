@@ -23,11 +23,11 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer
-from common.runtime import UserError, exit_on_user_error, setup
+from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
 
@@ -92,6 +92,20 @@ class Args:
     """token budget of generated samples"""
     gold_eval_split: str = "test"
     """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
+
+    # checkpoints and stopping (common/checkpoint.py)
+    save_steps: int = 0
+    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
+    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
+    is replaced only when this run finishes)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
 
     # memory, precision and LoRA
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -217,7 +231,8 @@ def main(args: Args):
         eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
     steps_per_epoch = len(train_examples) // args.total_batch_size
     args.num_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
-    if args.num_steps <= 0:
+    # with --max_steps too: fewer examples than one batch would leave micro_batches() waiting forever
+    if args.num_steps <= 0 or steps_per_epoch == 0:
         raise UserError(
             f"{len(train_examples)} training examples make no full batch of {args.total_batch_size} "
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
@@ -229,7 +244,9 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    tracker = Tracker(args, accelerator, args.num_steps)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
     accelerator.print(f"{len(train_examples)} training examples, {args.num_steps} steps of "
                       f"{args.total_batch_size} examples, {sum(p.numel() for p in model.parameters()):,} parameters")
 
@@ -247,8 +264,10 @@ def main(args: Args):
                     yield collate([train_examples[i] for i in chunk[rank::args.world_size]], tokenizer.pad_token_id)
 
     batches = micro_batches()
+    for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
+        next(batches)
     start_time = time.time()
-    for step in range(1, args.num_steps + 1):
+    for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step over gradient_accumulation_steps micro-batches ----
         micro = [tuple(t.to(accelerator.device) for t in next(batches)) for _ in range(args.gradient_accumulation_steps)]
         local_tokens = sum(loss_mask[:, 1:].sum() for _, _, loss_mask in micro)
@@ -263,6 +282,8 @@ def main(args: Args):
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=total_loss + loss.detach(), grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             total_loss += loss.detach()
@@ -273,11 +294,12 @@ def main(args: Args):
         metrics = {"loss": accelerator.reduce(total_loss, "mean").item() / args.gradient_accumulation_steps,
                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                    "num_tokens": global_tokens.item(), "epoch": step / max(1, steps_per_epoch),
-                   "steps_per_second": step / (time.time() - start_time)}
+                   "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics["eval_loss"] = evaluate(model, eval_examples, args, tokenizer, accelerator)
             log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator)
         tracker.log(metrics, step)
+        checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
     # ---- SAVE and final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)
@@ -292,5 +314,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
+    with exit_on_user_error(), stop_on_signal():
         main(tyro.cli(Args))

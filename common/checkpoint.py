@@ -1,7 +1,16 @@
-"""Saving a model the `from_pretrained` way, so that an interrupted save never leaves a broken one."""
+"""Saving: the finished model the `from_pretrained` way (an interrupted save never leaves a broken
+one), and resumable checkpoints with the ways a run stops early (signals, non-finite values)."""
 
+import math
 import os
 import shutil
+import signal
+import sys
+
+import torch
+
+from common import runtime
+from common.runtime import UserError
 
 
 def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None = None):
@@ -24,3 +33,97 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
             os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
         os.rmdir(tmp)
     accelerator.wait_for_everyone()
+
+
+class Checkpointer:
+    """Resumable checkpoints, and the ways a run stops early.
+
+    A checkpoint, <output_dir>/checkpoints/step_<n>, holds accelerate's state (model, optimizer, the
+    LR scheduler, every process's python/numpy/torch/CUDA RNG) and the loop's own state (a dict from
+    the script: counters, generators, anything carried between steps), one file per process. It is
+    written into a hidden directory and renamed into place, so `latest` never points at half a
+    checkpoint; the newest --save_total_limit are kept. After each step `end_of_step` saves every
+    --save_steps, and saves and exits after SIGTERM / Ctrl-C (runtime.stop_on_signal) or a
+    non-finite loss or gradient, whose update `finite` has already dropped."""
+
+    def __init__(self, args, accelerator, scheduler):
+        self.args, self.accelerator = args, accelerator
+        self.root = os.path.join(args.output_dir, "checkpoints")
+        self.nonfinite = None  # (metric, value) that made this step's update be dropped
+        if not args.resume_from_checkpoint and accelerator.is_main_process:
+            shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
+        accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
+
+    def resume(self) -> dict:
+        """Load --resume_from_checkpoint (a directory, or `latest` in <output_dir>/checkpoints) into
+        the model, optimizer, scheduler and RNGs; return the loop state saved with it ({} without)."""
+        path = self.args.resume_from_checkpoint
+        if not path:
+            return {}
+        if path == "latest":
+            done = sorted((d for d in os.listdir(self.root) if d.startswith("step_")), key=lambda d: int(d[5:])) \
+                if os.path.isdir(self.root) else []
+            if not done:
+                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'")
+            path = os.path.join(self.root, done[-1])
+        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
+        if not os.path.isfile(rank_file):
+            raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
+                            f"process(es) (no {os.path.basename(rank_file)})")
+        state = torch.load(rank_file, weights_only=False)
+        if state["world_size"] != self.accelerator.num_processes:
+            raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")
+        self.accelerator.load_state(path)
+        self.args.run_name = state["run_name"]  # the metrics go on in the same JSONL (and wandb run)
+        self.accelerator.print(f"resumed from {path} at step {state['step']}")
+        return state
+
+    def finite(self, **values) -> bool:
+        """Call after clipping, before optimizer.step(): False when a value (loss, grad_norm, ...) is
+        not finite on any process; the caller then drops the update. Every process decides alike."""
+        bad = [(k, float(v)) for k, v in values.items() if v is not None and not math.isfinite(float(v))]
+        flag = self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max")
+        if flag.item() == 0:
+            return True
+        self.nonfinite = bad[0] if bad else ("loss", float("nan"))  # flagged on another process
+        return False
+
+    def save(self, step: int, state: dict) -> str:
+        """Write checkpoint step_<step> (collective: every process calls it); returns its path."""
+        acc, final = self.accelerator, os.path.join(self.root, f"step_{step}")
+        tmp = os.path.join(self.root, f".step_{step}.partial")
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(tmp)
+        torch.save({**state, "step": step, "run_name": self.args.run_name, "world_size": acc.num_processes},
+                   os.path.join(tmp, f"loop_state_{acc.process_index}.pt"))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted((d for d in os.listdir(self.root) if d.startswith("step_")), key=lambda d: int(d[5:]))
+            for old in done[:-max(1, self.args.save_total_limit)]:
+                shutil.rmtree(os.path.join(self.root, old))
+        acc.wait_for_everyone()
+        return final
+
+    def end_of_step(self, step: int, state: dict):
+        """Save every --save_steps; after a signal or a non-finite value, save and exit."""
+        args, acc = self.args, self.accelerator
+        stop = acc.reduce(torch.tensor(float(runtime.stop_signal or 0), device=acc.device), "max").item()
+        nonfinite, self.nonfinite = self.nonfinite, None
+        if nonfinite and args.skip_nonfinite_steps:
+            acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); update skipped (--skip_nonfinite_steps)")
+            nonfinite = None
+        if stop or nonfinite or (args.save_steps and step % args.save_steps == 0):
+            path = self.save(step, state)
+            if stop:
+                acc.print(f"stopped by {signal.Signals(int(stop)).name} after step {step}; checkpoint in {path}; "
+                          "continue with --resume_from_checkpoint latest")
+                sys.exit(128 + int(stop))
+            if nonfinite:
+                raise UserError(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); the update was dropped "
+                                f"and the last good weights saved in {path}; lower --learning_rate and continue with "
+                                "--resume_from_checkpoint latest, or pass --skip_nonfinite_steps")

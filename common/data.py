@@ -37,9 +37,13 @@ def load_split(name: str, split: str) -> Dataset:
     except UserError:
         raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types
-        if "corresponds to no data" in str(e):  # how `datasets` reports an empty data file
-            raise UserError(f"dataset '{name}' has an empty split ({str(e).splitlines()[0]})") from None
-        raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
+        first_line = (str(e).splitlines() or [""])[0]
+        # how `datasets` reports empty data files: "... corresponds to no data", or (json files
+        # only, all of them empty) a bare StopIteration
+        if "corresponds to no data" in first_line or isinstance(e, StopIteration):
+            raise UserError(f"dataset '{name}' has an empty split ({first_line or 'its data files hold no rows'}); "
+                            "add rows, or choose another split with the *_split flags") from None
+        raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {first_line}); "
                         "pass a hub dataset name, a local dataset directory, or a "
                         ".json/.jsonl/.parquet/.csv file") from None
     if isinstance(splits, Dataset):
@@ -48,14 +52,17 @@ def load_split(name: str, split: str) -> Dataset:
         raise UserError(f"dataset '{name}' has no split '{split}' (it has: {', '.join(splits)}); "
                         "choose one with the *_split flags")
     if len(splits[split]) == 0:
-        raise UserError(f"split '{split}' of dataset '{name}' is empty")
+        raise UserError(f"split '{split}' of dataset '{name}' is empty; add rows, or choose another split "
+                        "with the *_split flags")
     return splits[split]
 
 
 def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -> str:
-    """Name of the first format whose columns the dataset has; else one error listing them all."""
+    """Name of the first format whose columns the dataset has (their text checked by
+    `check_text_fields`); else one error listing them all."""
     for fmt, columns in formats.items():
         if all(c in dataset.column_names for c in columns):
+            check_text_fields(dataset, [c for c in columns if c != "label"], where)
             return fmt
     accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {', '.join(c for c in cols if c not in dataset.column_names)})"
                          for fmt, cols in formats.items())
@@ -63,8 +70,42 @@ def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -
                     f"format: {accepted}")
 
 
+def check_prompts_fill_a_batch(num_prompts: int, batch_prompts: int, how: str):
+    """The online scripts draw whole batches of distinct prompts: with fewer prompts than one batch
+    they would wait for a batch forever."""
+    if num_prompts < batch_prompts:
+        raise UserError(f"{num_prompts} prompts make no full batch of {batch_prompts} prompts ({how}); add prompts, "
+                        "or lower those flags")
+
+
 def is_conversational(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict)
+
+
+def _is_messages(value) -> bool:
+    return is_conversational(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def check_text_fields(dataset: Dataset, columns: list[str], where: str):
+    """Every value of these columns is a string, or every one a list of {"role", "content"} messages
+    (`messages` always); else one error naming the first bad column, row and type. Without this a
+    null or a number fails deep inside the tokenizer, and a list of strings is silently tokenized
+    as a batch."""
+    kinds = {}
+    for column in columns:
+        for i, value in enumerate(dataset[column]):
+            kind = "messages" if _is_messages(value) else "string" if isinstance(value, str) else None
+            if kind is None or (column == "messages" and kind != "messages"):
+                got = "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+                raise UserError(f"{where} has {got} in column '{column}' at row {i}; each {column} must be "
+                                + ("" if column == "messages" else "a string or ")
+                                + 'a non-empty list of {"role": str, "content": str} messages; fix or drop that row')
+            kinds.setdefault(kind, column)
+    if len(kinds) > 1:
+        raise UserError(f"{where} mixes strings (column '{kinds['string']}') with lists of messages (column "
+                        f"'{kinds['messages']}'); make every text column standard (strings) or every one "
+                        "conversational (messages)")
 
 
 def _check_chat_template(tokenizer):

@@ -4,7 +4,7 @@ import contextlib
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from benchmarks import tiny_tldr
 from common.runtime import UserError
@@ -65,6 +65,11 @@ def load_policy(name_or_path: str, tokenizer, dtype: str = "auto"):
 def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto"):
     """A sequence classifier with exactly one label: its logit is the scalar reward. Loading a
     causal LM here adds a freshly initialised score head (how reward training starts)."""
+    config = _from_pretrained(AutoConfig, name_or_path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+        raise UserError(f"'{name_or_path}' is a sequence classifier with {config.num_labels} labels, but a reward "
+                        "model has one output (its logit is the reward); use a one-label classifier such as "
+                        "reward.py saves, or start reward.py from a causal LM (it adds a one-output head)")
     model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, num_labels=1,
                              dtype=_dtype(dtype))
     return fit_embeddings(model, tokenizer)

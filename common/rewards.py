@@ -51,6 +51,24 @@ def import_function(spec: str, what: str = "reward function"):
         raise UserError(f"could not import {what} '{spec}' (expected module:function): {e}") from None
 
 
+def import_judge(spec: str):
+    """The pairwise judge `module:function(prompts, completion_pairs) -> list[int]`, wrapped so that
+    whatever it does wrong (raises, returns the wrong length or other than 0 / 1) is one line."""
+    judge = import_function(spec, "judge")
+
+    def checked(prompts, completion_pairs):
+        try:
+            picks = judge(prompts, completion_pairs)
+        except Exception as e:  # a user's function: say which one failed, in one line
+            raise UserError(f"judge '{spec}' raised {type(e).__name__}: {e}") from None
+        if (not isinstance(picks, (list, tuple)) or len(picks) != len(completion_pairs)
+                or any(p not in (0, 1) for p in picks)):
+            raise UserError(f"judge '{spec}' returned {str(picks)[:60]!r}; it must return 0 or 1 (the index of the "
+                            f"better completion) for each of the {len(completion_pairs)} pairs")
+        return list(picks)
+    return checked
+
+
 @torch.no_grad()
 def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 64) -> torch.Tensor:
     """The reward model's scalar for each (prompt, completion), in its own tokens."""
@@ -80,6 +98,11 @@ def compute_rewards(sources, weights, prompts: list, completions: list, columns:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise UserError(f"reward function '{name}' returned {got} values for {len(prompts)} completions; "
                             "it must return a list with one float (or None) per completion")
-        per_source[name] = torch.tensor([math.nan if v is None else float(v) for v in values])
+        try:
+            per_source[name] = torch.tensor([math.nan if v is None else float(v) for v in values])
+        except (TypeError, ValueError):
+            bad = next(v for v in values if v is not None and not isinstance(v, (int, float)))
+            raise UserError(f"reward function '{name}' returned {type(bad).__name__} {str(bad)[:40]!r}; "
+                            "it must return a list with one float (or None) per completion") from None
     weighted = torch.stack(list(per_source.values()), dim=1) * torch.tensor(weights)
     return weighted.nansum(dim=1), per_source

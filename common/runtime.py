@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +26,29 @@ def exit_on_user_error():
         sys.exit(2)
 
 
+stop_signal: int | None = None  # set by SIGTERM / Ctrl-C under `stop_on_signal`; read by the Checkpointer
+
+
+@contextlib.contextmanager
+def stop_on_signal():
+    """SIGTERM or Ctrl-C asks the training loop to finish its current step, save a checkpoint and
+    exit (common/checkpoint.py); a second one stops at once."""
+    def ask_to_stop(signum, frame):
+        global stop_signal
+        if stop_signal is not None:
+            raise KeyboardInterrupt
+        stop_signal = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def exact_div(a: int, b: int, message: str) -> int:
     """a / b when b divides a; otherwise a UserError with `message` (which should name the flags)."""
     if b <= 0 or a % b != 0:
@@ -34,8 +58,11 @@ def exact_div(a: int, b: int, message: str) -> int:
 
 def setup(args) -> Accelerator:
     """Accelerator with gradient accumulation (and bf16 with --bf16), and the same seed on every rank
-    (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion). Fills in `args.world_size`, `args.run_name`, and under DeepSpeed the batch
-    size and clipping norm it would otherwise expect from a prepared DataLoader or its config."""
+    (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion).
+    Fills in `args.world_size`, `args.run_name`, and under DeepSpeed the batch size and clipping norm
+    it would otherwise expect from a prepared DataLoader or its config. Refuses an output_dir that
+    another run has used (see check_output_dir) before anything loads."""
+    check_output_dir(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                               mixed_precision="bf16" if getattr(args, "bf16", False) else None)
     set_seed(args.seed)
@@ -49,3 +76,19 @@ def setup(args) -> Accelerator:
         plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
+
+
+def check_output_dir(args):
+    """A finished model (or another run's checkpoints) in output_dir is never overwritten by
+    accident: starting over needs --overwrite_output_dir, continuing needs --resume_from_checkpoint."""
+    d = args.output_dir
+    finished = any(os.path.exists(os.path.join(d, f)) for f in ("config.json", "adapter_config.json"))
+    checkpoints = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
+    if args.overwrite_output_dir or not (finished or checkpoints):
+        return
+    if finished:
+        raise UserError(f"output_dir '{d}' already holds a finished model; pass --overwrite_output_dir to replace "
+                        "it (it is replaced only when the new run finishes) or choose another --output_dir")
+    if not args.resume_from_checkpoint:
+        raise UserError(f"output_dir '{d}' holds checkpoints of an unfinished run; continue it with "
+                        "--resume_from_checkpoint latest, or start over with --overwrite_output_dir")

@@ -4,31 +4,43 @@ progress bar and tables of sample completions. Everything happens on the main pr
 import dataclasses
 import json
 import os
+import re
 import time
 
 from tqdm.auto import tqdm
 
+# the JSONL fields that read the wall clock; everything else a run logs is the same for the same seed
+# and command on a CPU (tests/test_resume.py checks it)
+TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
+
 
 class Tracker:
-    def __init__(self, args, accelerator, total_steps: int):
+    def __init__(self, args, accelerator, total_steps: int, start_step: int = 0):
+        """start_step > 0: a resumed run; its log goes on in the same file from that step."""
         self.main = accelerator.is_main_process
         self.every = max(1, args.logging_steps)
         self.start = time.time()
-        self.bar = tqdm(total=total_steps, disable=not self.main, dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.main, dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
         # one file per run: a new run never overwrites the logs of an earlier one
         self.path = os.path.join(args.output_dir, "logs", f"{args.run_name}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if start_step and os.path.exists(self.path):  # drop what was logged after the checkpoint: it is redone
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
         config = dataclasses.asdict(args)
         with open(os.path.join(os.path.dirname(self.path), f"{args.run_name}.args.json"), "w") as f:
             json.dump(config, f, indent=1)
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
-                                    name=args.run_name, config=config, dir=args.output_dir)
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                                    config=config, dir=args.output_dir,
+                                    id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow")
 
     def log(self, metrics: dict, step: int):
         """Record `metrics` (floats) at optimizer step `step`; printed every `logging_steps`."""

@@ -1,6 +1,7 @@
 """Bad input to the scripts: one line on stderr naming the problem, exit status 2, no traceback,
 and nothing already saved in the output directory is touched."""
 
+import importlib
 import json
 import os
 import time
@@ -21,7 +22,7 @@ def write_jsonl(path, rows):
 def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path, sft_model):
     before = {f: os.path.getmtime(os.path.join(sft_model, f)) for f in os.listdir(sft_model)}
     bad = write_jsonl(tmp_path / "cols.jsonl", [{"prompt": "a", "answer": "b"}])
-    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, check=False)
+    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, "--overwrite_output_dir", check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -40,9 +41,6 @@ def sft_args(tmp_path, **kw):
 def test_bad_inputs_to_sft(tmp_path, tiny_model):
     rows = [{"prompt": "TITLE: a\n\nTL;DR:", "completion": " b"}] * 4
     ok = write_jsonl(tmp_path / "ok.jsonl", rows)
-    pad_is_eos = AutoTokenizer.from_pretrained(tiny_model)
-    pad_is_eos.pad_token = pad_is_eos.eos_token
-    pad_is_eos.save_pretrained(tmp_path / "tok")  # the tokenizer is checked before the model loads
     cases = [
         (dict(dataset_name=str(tmp_path / "missing")), "could not load dataset"),
         (dict(model_name_or_path=str(tmp_path / "nope")), "could not load"),
@@ -50,7 +48,6 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
         (dict(dataset_name=ok, max_length=3), "every training prompt is >= max_length=3"),
         (dict(dataset_name=ok, per_device_train_batch_size=8, max_steps=-1),
          "4 training examples make no full batch of 8 (per_device_train_batch_size 8"),
-        (dict(model_name_or_path=str(tmp_path / "tok")), "never learn to stop"),
     ]
     for kw, message in cases:
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -129,3 +126,126 @@ def test_a_server_that_never_comes_up_is_one_clear_error():
     with pytest.raises(UserError, match=r"no vLLM server answered at http://127.0.0.1:9 within 2 s; start one with "):
         wait_for_server(args)
     assert time.time() - start < 10
+
+
+# ---------------------------------------------------------------------------------------------
+# The bad-input sweep: every script, every kind of bad input, one UserError (no model trains)
+# ---------------------------------------------------------------------------------------------
+SCRIPTS = ["sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]
+OFFLINE, ONLINE = SCRIPTS[:4], SCRIPTS[4:]
+PROMPT = "TITLE: a\n\nTL;DR:"
+GOOD_ROWS = {"sft": [{"prompt": PROMPT, "completion": " b"}] * 4,
+             **{s: [{"prompt": PROMPT, "chosen": " b", "rejected": " c"}] * 4 for s in ("reward", "dpo", "kto")},
+             **{s: [{"prompt": PROMPT}] * 4 for s in ONLINE}}
+REWARD = ["tests.toy_rewards:short"]
+SCRIPT_ARGS = {**{s: dict(dataset_test_split="") for s in OFFLINE},
+               "grpo": dict(reward_model_paths=[], reward_funcs=REWARD, num_generations=2, max_completion_length=4),
+               "rloo": dict(reward_model_paths=[], reward_funcs=REWARD, rloo_k=2, max_completion_length=4),
+               "online_dpo": dict(reward_model_paths=[], reward_funcs=REWARD, max_new_tokens=4),
+               "ppo": dict(reward_model_path="<one_label>", response_length=4)}
+
+
+def renamed(old, new):
+    return lambda rows: [{new if k == old else k: v for k, v in r.items()} for r in rows]
+
+
+def setting(column, value, row=None):
+    return lambda rows: [{**r, column: value} if row in (None, i) else r for i, r in enumerate(rows)]
+
+
+def conversational(rows):
+    return [{k: [{"role": "user" if k == "prompt" else "assistant", "content": v}] for k, v in r.items()} for r in rows]
+
+
+CASES = [  # (script, case, rows from the script's good rows, Args fields, the error's pattern)
+    # 1. missing or renamed columns
+    ("sft", "columns", renamed("completion", "response"), {}, r"columns \[prompt, response\].*missing completion"),
+    ("reward", "columns", renamed("prompt", "question"), {}, r"preference \(prompt, chosen, rejected: missing prompt"),
+    ("dpo", "columns", renamed("rejected", "response"), {}, r"implicit prompt \(chosen, rejected: missing rejected\)"),
+    ("kto", "columns", renamed("chosen", "response"), {}, r"missing completion, label\); preference .*missing chosen"),
+    *[(s, "columns", renamed("prompt", "question"), {}, r"columns \[question\].*prompt-only \(prompt: missing prompt\)")
+      for s in ONLINE],
+    # 2. an empty split
+    *[(s, "empty", lambda rows: [], {}, "has an empty split") for s in SCRIPTS],
+    # 3. text fields that are neither strings nor lists of messages
+    ("sft", "types", setting("prompt", 3), {}, "has int '3' in column 'prompt' at row 0; each prompt must be a string"),
+    ("sft", "types", lambda rows: [{"messages": "hi"}] * 2, {}, "has str 'hi' in column 'messages' at row 0; each "
+     "messages must be a non-empty list"),
+    ("sft", "types", setting("completion", [{"role": "assistant", "content": "b"}]), {},
+     r"mixes strings \(column 'prompt'\) with lists of messages \(column 'completion'\)"),
+    ("reward", "types", setting("chosen", None, row=1), {}, "has null in column 'chosen' at row 1"),
+    ("dpo", "types", setting("rejected", ["b", "c"]), {}, "has list .* in column 'rejected' at row 0"),
+    ("kto", "types", setting("prompt", [{"role": "user"}]), {}, "has list .* in column 'prompt' at row 0"),
+    ("grpo", "types", setting("prompt", 3), {}, "has int '3' in column 'prompt' at row 0"),
+    ("rloo", "types", setting("prompt", None, row=2), {}, "has null in column 'prompt' at row 2"),
+    ("online_dpo", "types", setting("prompt", ["a"]), {}, "has list .* in column 'prompt' at row 0"),
+    ("ppo", "types", setting("prompt", {"text": "a"}), {}, "has dict .* in column 'prompt' at row 0"),
+    # 4. every prompt longer than the length limit (sft, dpo: above; the online scripts keep a prompt's end)
+    ("reward", "too_long", None, dict(max_length=3), "no training pair left: all are longer than max_length=3"),
+    ("kto", "too_long", None, dict(max_length=3), "8 prompt leaves no room under max_length=3"),
+    # 5. conversations, but the tokenizer has no chat template
+    *[(s, "chat", conversational, {}, "conversational .* but the tokenizer has no chat template") for s in SCRIPTS],
+    # 6. a reward model with two labels (or reward training started from one)
+    ("reward", "labels", None, dict(model_name_or_path="<two_labels>"), "is a sequence classifier with 2 labels"),
+    *[(s, "labels", None, dict(reward_model_paths=["<two_labels>"]), "is a sequence classifier with 2 labels")
+      for s in ("grpo", "rloo", "online_dpo")],
+    ("ppo", "labels", None, dict(reward_model_path="<two_labels>"), "is a sequence classifier with 2 labels"),
+    # 7. a reward function (or judge) that raises or returns the wrong thing (these sample one batch)
+    ("grpo", "reward_fn", None, dict(reward_funcs=["tests.toy_rewards:broken"]),
+     "reward function 'broken' raised ZeroDivisionError"),
+    ("rloo", "reward_fn", None, dict(reward_funcs=["tests.toy_rewards:one_value"]),
+     "'one_value' returned 1 values for 2 completions"),
+    ("online_dpo", "reward_fn", None, dict(judge="tests.toy_rewards:one_value"),
+     r"returned '\[0.0\]'; it must return 0 or 1 .* 2 pairs"),
+    ("online_dpo", "reward_fn", None, dict(judge="tests.toy_rewards:broken"),
+     "judge 'tests.toy_rewards:broken' raised ZeroDivisionError"),
+    ("ppo", "reward_fn", None, dict(reward_funcs=["tests.toy_rewards:not_numbers"]),
+     "'not_numbers' returned str 'good'"),
+    # 8. fewer examples than one batch, even with --max_steps (num_generations / rloo_k that do not
+    # divide the batch: tests/test_grpo.py, tests/test_rloo.py)
+    *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "make no full batch of 4")
+      for s in OFFLINE],
+    *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "1 prompts make no full batch of")
+      for s in ONLINE],
+    # 9. a tokenizer whose pad token is its EOS
+    *[(s, "pad_eos", None, dict(model_name_or_path="<pad_is_eos>"), "never learn to stop") for s in SCRIPTS],
+]
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory, tiny_model):
+    """<pad_is_eos>: a tokenizer alone; <two_labels> / <one_label>: classifiers from the tiny model."""
+    from transformers import AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("bad_models")
+    paths = {name: str(root / name) for name in ("pad_is_eos", "two_labels", "one_label")}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for name, num_labels in (("two_labels", 2), ("one_label", 1)):
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=num_labels)
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(paths["pad_is_eos"])
+    return {f"<{name}>": path for name, path in paths.items()}
+
+
+@pytest.mark.parametrize("script,case,rows,kw,message", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, case, rows, kw, message):
+    module = importlib.import_module(f"algos.{script}")
+    data = write_jsonl(tmp_path / "d.jsonl", (rows or (lambda r: r))(GOOD_ROWS[script]))
+    kw = {**dict(model_name_or_path=tiny_model, dataset_name=data, max_steps=1, per_device_train_batch_size=2,
+                 output_dir=str(tmp_path / "out")), **SCRIPT_ARGS[script], **kw}
+    fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # "<two_labels>" -> its path
+    kw = {k: [fill(x) for x in v] if isinstance(v, list) else fill(v) for k, v in kw.items()}
+    with pytest.raises(UserError, match=message):
+        module.main(module.Args(**kw))
+
+
+def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path):
+    bad = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": None}])
+    proc = run_script("algos/grpo.py", "--dataset_name", bad, "--reward_model_paths", "--reward_funcs",
+                      "tests.toy_rewards:short", "--output_dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: dataset '{bad}' (split train), given to grpo.py, has null in column 'prompt' at row 1; each prompt "
+        'must be a string or a non-empty list of {"role": str, "content": str} messages; fix or drop that row']

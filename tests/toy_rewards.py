@@ -13,3 +13,16 @@ def zero(prompts, completions, **columns):
 def prefer_shorter(prompts, completion_pairs):
     """A pairwise judge: index of the completion with fewer words (ties: the first)."""
     return [int(len(b.split()) < len(a.split())) for a, b in completion_pairs]
+
+
+def broken(prompts, completions, **columns):
+    return 1 / 0
+
+
+def one_value(prompts, completions, **columns):
+    """The wrong length for any batch of two or more (also a judge with the wrong length)."""
+    return [0.0]
+
+
+def not_numbers(prompts, completions, **columns):
+    return ["good"] * len(completions)

@@ -1,0 +1,135 @@
+"""Checkpoints, resume, interruption, determinism and non-finite values (common/checkpoint.py).
+
+For every script: the same command twice logs the same metrics (timing fields aside); a run stopped
+by SIGTERM saves a checkpoint and exits non-zero with one line, and resuming it ends with weights
+bit-identical to an uninterrupted run and the same metrics JSONL. sft runs in the default suite, the
+other seven under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci/run runs them)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algos import sft
+from common.runtime import UserError
+from common.tracking import TIMING_METRICS
+from tests.conftest import ROOT, run_script
+from tests.test_multiprocess import CASES
+
+STEPS = 6
+
+
+def argv(script, out, sft_model, *extra):
+    flags, _ = CASES[script]
+    model = [] if script == "sft" else ["--model_name_or_path", sft_model]
+    if script == "ppo":
+        model += ["--reward_model_path", sft_model]
+    quiet = ["--dataset_test_split", ""] if script in ("sft", "reward") else []  # no evaluation passes
+    quiet += [] if script == "reward" else ["--gold_eval_split", ""]
+    return [f"algos/{script}.py", "--max_steps", str(STEPS), "--logging_steps", "1", "--run_name", "r", *quiet,
+            *model, *flags, "--output_dir", str(out), *extra]
+
+
+def records(out):
+    """The run's metrics JSONL without the fields that read the clock."""
+    with open(os.path.join(out, "logs", "r.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_METRICS} for line in f]
+
+
+def weights(out):
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=() if s == "sft" else pytest.mark.resume) for s in CASES])
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, script):
+    full, again, cut = tmp_path / "full", tmp_path / "again", tmp_path / "cut"
+    run_script(*argv(script, full, sft_model))
+    run_script(*argv(script, again, sft_model))
+    assert records(again) == records(full)  # determinism: same seed, same command, same metrics
+    assert len([r for r in records(full) if "lr" in r]) == STEPS
+
+    proc = subprocess.Popen([sys.executable, *argv(script, cut, sft_model)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log, deadline = cut / "logs" / "r.jsonl", time.time() + 300
+    while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # after the first logged step: the run finishes its current step
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr
+    [line] = [x for x in stdout.splitlines() if x.startswith("stopped by SIGTERM")]
+    stopped_at = int(line.split("after step ")[1].split(";")[0])
+    assert 1 <= stopped_at < STEPS and line.endswith("continue with --resume_from_checkpoint latest")
+    assert os.listdir(cut / "checkpoints") == [f"step_{stopped_at}"] and not (cut / "config.json").exists()
+
+    resumed = run_script(*argv(script, cut, sft_model, "--resume_from_checkpoint", "latest"))
+    assert f"resumed from {cut / 'checkpoints' / f'step_{stopped_at}'} at step {stopped_at}" in resumed.stdout
+    a, b = weights(full), weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
+    assert records(cut) == records(full)
+    print(script, "stopped after step", stopped_at, "of", STEPS)
+
+
+def sft_args(tmp_path, **kw):
+    return sft.Args(**{**dict(max_steps=4, per_device_train_batch_size=2, dataset_test_split="", gold_eval_split="",
+                              logging_steps=1, run_name="r", output_dir=str(tmp_path / "out")), **kw})
+
+
+def nan_on_call(monkeypatch, n):
+    """Make sft's loss NaN on its n-th call (1-based) and only then."""
+    calls, loss = [0], sft.sft_loss
+
+    def patched(*a, **k):
+        calls[0] += 1
+        return loss(*a, **k) * (float("nan") if calls[0] == n else 1.0)
+    monkeypatch.setattr(sft, "sft_loss", patched)
+
+
+def test_nonfinite_loss_stops_after_saving_the_last_good_weights(tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    sft.main(sft_args(tmp_path, save_steps=2, output_dir=str(clean)))  # the same run without NaN, saved at step 2
+    nan_on_call(monkeypatch, 3)
+    with pytest.raises(UserError, match=r"step 3: non-finite loss \(nan\); the update was dropped and the last good "
+                                        r"weights saved in .*step_3; lower --learning_rate"):
+        sft.main(sft_args(tmp_path))
+    good = load_file(os.path.join(clean, "checkpoints", "step_2", "model.safetensors"))
+    saved = load_file(os.path.join(tmp_path, "out", "checkpoints", "step_3", "model.safetensors"))
+    assert good.keys() == saved.keys() and all(torch.equal(good[k], saved[k]) for k in good)  # step 3 changed nothing
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_skip_nonfinite_steps_drops_only_that_update(tmp_path, monkeypatch):
+    nan_on_call(monkeypatch, 3)
+    sft.main(sft_args(tmp_path, skip_nonfinite_steps=True))
+    rows = records(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] != r["loss"] for r in rows] == [False, False, True, False]  # NaN logged at step 3 only
+    assert all(torch.isfinite(v).all() for v in weights(tmp_path / "out").values())
+
+
+def test_checkpoints_are_pruned_and_never_half_written(tmp_path):
+    sft.main(sft_args(tmp_path, save_steps=1, save_total_limit=2))
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["step_3", "step_4"]
+
+
+def test_output_dir_of_a_finished_or_unfinished_run_is_not_reused_by_accident(tmp_path):
+    sft.main(sft_args(tmp_path, max_steps=1, save_steps=1))
+    before = weights(tmp_path / "out")
+    with pytest.raises(UserError, match="already holds a finished model; pass --overwrite_output_dir"):
+        sft.main(sft_args(tmp_path, max_steps=1))
+    os.remove(tmp_path / "out" / "config.json")  # as if that run had been interrupted
+    with pytest.raises(UserError, match="holds checkpoints of an unfinished run; continue it with "
+                                        "--resume_from_checkpoint latest"):
+        sft.main(sft_args(tmp_path, max_steps=1))
+    with pytest.raises(UserError, match="no checkpoint in"):
+        sft.main(sft_args(tmp_path, output_dir=str(tmp_path / "empty"), resume_from_checkpoint="latest"))
+    sft.main(sft_args(tmp_path, max_steps=2, overwrite_output_dir=True, learning_rate=1e-2))
+    after = weights(tmp_path / "out")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (tmp_path / "out" / "checkpoints").exists()  # the old run's checkpoints went with it
