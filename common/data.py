@@ -94,7 +94,8 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
     as a batch."""
     kinds = {}
     for column in columns:
-        for i, value in enumerate(dataset[column]):
+        values = dataset.with_format("arrow")[column].to_pylist()  # iterating dataset[column] is ~25x slower
+        for i, value in enumerate(values):
             kind = "messages" if _is_messages(value) else "string" if isinstance(value, str) else None
             if kind is None or (column == "messages" and kind != "messages"):
                 got = "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"

@@ -241,9 +241,10 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
         module.main(module.Args(**kw))
 
 
-def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path):
+def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path, tiny_model):
     bad = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": None}])
-    proc = run_script("algos/grpo.py", "--dataset_name", bad, "--reward_model_paths", "--reward_funcs",
+    proc = run_script("algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", bad,
+                      "--reward_model_paths", "--reward_funcs",
                       "tests.toy_rewards:short", "--output_dir", str(tmp_path / "out"), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [

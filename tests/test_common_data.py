@@ -61,7 +61,7 @@ def test_empty_split_is_an_error(tmp_path):
 
 def test_check_columns_picks_a_format_or_lists_them():
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
-    assert check_columns(Dataset.from_dict({"messages": [[]]}), formats, "d") == "messages"
+    assert check_columns(Dataset.from_dict({"messages": [[{"role": "user", "content": "a"}]]}), formats, "d") == "messages"
     with pytest.raises(UserError) as e:
         check_columns(Dataset.from_dict({"prompt": ["x"], "answer": ["y"]}), formats, "dataset 'd'")
     assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion: missing completion)" in str(e.value)
