@@ -43,7 +43,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, deepspeed_stage, load_policy, load_tokenizer, prepare_frozen, reference
@@ -392,7 +392,9 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    tracker = Tracker(args, accelerator, args.num_steps)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs, "
                       f"loss {args.loss_type}, beta {args.beta}")
 
@@ -471,8 +473,13 @@ def main(args: Args):
                 yield order[start:start + per_step][accelerator.process_index::args.world_size]
 
     batches = micro_batches()
+    for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
+        next(batches)
+    bco_sum, bco_count = resumed.get("bco", (0.0, 0))
+    if "ref_model" in resumed:  # TR-DPO: the reference has moved since it was loaded
+        ref_model.load_state_dict(resumed["ref_model"])
     start_time = time.time()
-    for step in range(1, args.num_steps + 1):
+    for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         totals = None
@@ -482,6 +489,8 @@ def main(args: Args):
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=loss, grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             values = torch.stack(list(stats.values()))
@@ -499,11 +508,15 @@ def main(args: Args):
         means = (accelerator.reduce(totals, "mean") / args.gradient_accumulation_steps).tolist()
         metrics = dict(zip(stats, means))
         metrics.update({"grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
-                        "epoch": step / max(1, steps_per_epoch), "steps_per_second": step / (time.time() - start_time)})
+                        "epoch": step / max(1, steps_per_epoch),
+                        "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)})
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate())
             log_samples(step)
         tracker.log(metrics, step)
+        # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values: what the next steps depend on
+        checkpointer.end_of_step(step, {"bco": (bco_sum, bco_count),
+                                        **({"ref_model": ref_model.state_dict()} if args.sync_ref_model else {})})
 
     # ---- SAVE and final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)

@@ -30,7 +30,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
@@ -281,7 +281,9 @@ def main(args: Args):
     sampler = None
     if args.use_vllm:
         sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.max_completion_length)
-    tracker = Tracker(args, accelerator, args.num_steps)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps; {args.generation_batch_size // args.num_generations} "
                       f"prompts x {args.num_generations} completions per generation batch; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -308,57 +310,67 @@ def main(args: Args):
         return logps, entropy
 
     prompts_iter = prompt_batches()
-    start_time, episode, step, push_seconds = time.time(), 0, 0, float("nan")
+    for _ in range(resumed.get("episode", 0) // args.generation_batch_size):  # the data position: a batch per rollout
+        next(prompts_iter)
+    micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
+             for m in range(args.gradient_accumulation_steps)]
+    # the generation batch while between two of its num_iterations passes (else None); a checkpoint taken
+    # there holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
+    generation_batch = resumed.get("generation_batch")
+    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
+    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:
-        # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
-        indices = next(prompts_iter)
-        # one seed per completion, from its place in the run: the same samples on 1 or N processes
-        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
-                    args.top_p, args.top_k, args.min_p, args.repetition_penalty)
-        if sampler is not None:
-            if step > 0:  # the policy changed since the engine last got its weights
-                push_seconds = sampler.push_weights(model)
-            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+        if generation_batch is not None:
+            (input_ids, attention_mask, prompt_width, old_logps, ref_logps, sampler_logps, advantages, loss_mask, num_items,
+             c_mask, finished, rewards, all_rewards, per_source, batch_prompts, texts) = generation_batch
         else:
-            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
-            sampler_logps = None
-        input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
-        prompt_width = p_ids.shape[1]
-        episode += args.generation_batch_size
+            # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
+            indices = next(prompts_iter)
+            # one seed per completion, from its place in the run: the same samples on 1 or N processes
+            seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+            sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
+                        args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+            if sampler is not None:
+                if step > 0:  # the policy changed since the engine last got its weights
+                    push_seconds = sampler.push_weights(model)
+                p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+            else:
+                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
+                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+                sampler_logps = None
+            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+            prompt_width = p_ids.shape[1]
+            episode += args.generation_batch_size
 
-        # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----
-        texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        batch_prompts = [rows[i]["prompt"] for i in indices]
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(batch_prompts, texts)]
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
-        rewards = rewards.to(accelerator.device)
-        if args.missing_eos_penalty is not None:
-            rewards = rewards - args.missing_eos_penalty * (~finished).float()
+            # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----
+            texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+            batch_prompts = [rows[i]["prompt"] for i in indices]
+            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                           for p, t in zip(batch_prompts, texts)]
+            columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+            rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
+            rewards = rewards.to(accelerator.device)
+            if args.missing_eos_penalty is not None:
+                rewards = rewards - args.missing_eos_penalty * (~finished).float()
 
-        # ---- ADVANTAGES: relative to the group, over the global batch ----
-        all_rewards = accelerator.gather(rewards)
-        advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
-        advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
-        loss_mask = c_mask.float() * (finished.float()[:, None] if args.mask_truncated_completions else 1.0)
-        # dapo: normalise by the tokens of the whole global batch; backward() divides by the
-        # accumulation steps and DDP averages over processes, so scale to one micro-batch
-        num_items = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1) / (args.gradient_accumulation_steps * args.world_size)
-        micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
-                 for m in range(args.gradient_accumulation_steps)]
-        with torch.no_grad():
-            old_logps = ref_logps = [None] * len(micro)
-            if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
-            if args.beta:
-                with reference(accelerator, model, ref_model) as ref:
-                    ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+            # ---- ADVANTAGES: relative to the group, over the global batch ----
+            all_rewards = accelerator.gather(rewards)
+            advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+            advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+            loss_mask = c_mask.float() * (finished.float()[:, None] if args.mask_truncated_completions else 1.0)
+            # dapo: normalise by the tokens of the whole global batch; backward() divides by the
+            # accumulation steps and DDP averages over processes, so scale to one micro-batch
+            num_items = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1) / (args.gradient_accumulation_steps * args.world_size)
+            with torch.no_grad():
+                old_logps = ref_logps = [None] * len(micro)
+                if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
+                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+                if args.beta:
+                    with reference(accelerator, model, ref_model) as ref:
+                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
 
-        # ---- UPDATE: num_iterations optimizer steps over this generation batch ----
-        for _ in range(args.num_iterations):
+        # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
+        for _ in range(args.num_iterations - step % args.num_iterations):
             if step >= args.num_steps:
                 break
             stats = torch.zeros(6, device=accelerator.device)  # loss, kl, entropy, clip low, high, region
@@ -375,6 +387,8 @@ def main(args: Args):
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):
+                            optimizer.zero_grad()  # drop this update: the step below then changes nothing
                     optimizer.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
@@ -405,7 +419,7 @@ def main(args: Args):
                        "clip_ratio/low_mean": clip_low, "clip_ratio/high_mean": clip_high,
                        "clip_ratio/region_mean": clip_region, "grad_norm": float("nan" if grad_norm is None else grad_norm),
                        "lr": scheduler.get_last_lr()[0], "episode": episode,
-                       "eps": episode / (time.time() - start_time)}
+                       "eps": (episode - start_episode) / (time.time() - start_time)}
             for name, values in per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
             if args.beta:
@@ -418,6 +432,11 @@ def main(args: Args):
                 tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": r}
                                      for p, t, r in zip(batch_prompts, texts, rewards.tolist())][:args.num_sample_generations], step)
             tracker.log(metrics, step)
+            generation_batch = None if step % args.num_iterations == 0 else (
+                input_ids, attention_mask, prompt_width, old_logps, ref_logps, sampler_logps, advantages, loss_mask, num_items,
+                c_mask, finished, rewards, all_rewards, per_source, batch_prompts, texts)
+            # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+            checkpointer.end_of_step(step, {"episode": episode, "generation_batch": generation_batch})
 
     # ---- SAVE and final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)

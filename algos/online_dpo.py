@@ -31,7 +31,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
@@ -238,7 +238,9 @@ def main(args: Args):
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_length) if args.use_vllm else None
-    tracker = Tracker(args, accelerator, args.num_steps)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions; "
                       f"ranked by {'judge ' + args.judge if judge else ', '.join(n for n, _, _ in sources)}")
 
@@ -258,8 +260,11 @@ def main(args: Args):
         return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
 
     batches = prompt_batches()
-    start_time, episode, push_seconds = time.time(), 0, float("nan")
-    for step in range(1, args.num_steps + 1):
+    for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
+        next(batches)
+    episode = resumed.get("episode", 0)  # also gives the sampling seeds
+    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
+    for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
         stats = torch.zeros(12, device=accelerator.device)
         if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
@@ -313,6 +318,8 @@ def main(args: Args):
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             kl = (logps.detach() - ref_logps).view(-1, 2).mean(1)  # per prompt, over its two samples
@@ -332,7 +339,7 @@ def main(args: Args):
                    "rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": acc, "rewards/margins": r_c - r_r,
                    "logps/chosen": lp_c, "logps/rejected": lp_r, "val/contain_eos_token": eos, "beta": beta,
                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
-                   "eps": episode / (time.time() - start_time)}
+                   "eps": (episode - start_episode) / (time.time() - start_time)}
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
@@ -342,6 +349,7 @@ def main(args: Args):
                                   "margin": float(scores_by_pair[j, 0] - scores_by_pair[j, 1])}
                                  for j in range(min(args.num_sample_generations, len(indices)))], step)
         tracker.log(metrics, step)
+        checkpointer.end_of_step(step, {"episode": episode})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
     # ---- SAVE and final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)

@@ -30,7 +30,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_reward_model, load_tokenizer, prepare_frozen, resolve
@@ -302,10 +302,12 @@ def main(args: Args):
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
         sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.response_length)
-    tracker = Tracker(args, accelerator, args.max_steps)
+    tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
 
@@ -336,7 +338,13 @@ def main(args: Args):
     batches = prompt_batches()
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     start_time, episode, push_seconds = time.time(), 0, float("nan")
-    for step in range(1, args.max_steps + 1):
+    if resumed:  # what the loop carries across rollouts (the episode counter also gives the sampling seeds)
+        for _ in range(resumed["step"]):  # the data position
+            next(batches)
+        shuffler.set_state(resumed["shuffler"])  # the mini-batch order
+        episode = resumed["episode"]
+    start_episode = episode  # eps counts this process's episodes
+    for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
         # ---- ROLLOUT: sample responses; N+ detail: truncate after the first EOS, pad the rest ----
         indices = next(batches)
         # one seed per response, from its place in the run: the same samples on 1 or N processes
@@ -407,7 +415,9 @@ def main(args: Args):
                         loss = pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if not checkpointer.finite(loss=loss.detach(), grad_norm=grad_norm):
+                                optimizer.zero_grad()  # drop this update: the step below then changes nothing
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
@@ -432,7 +442,7 @@ def main(args: Args):
                    "val/clipfrac_avg": vf_clip, "policy/entropy_avg": entropy, "val/ratio": ratio_mean,
                    "val/ratio_var": ratio_sq - ratio_mean ** 2,
                    "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
-                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
+                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
@@ -441,6 +451,8 @@ def main(args: Args):
             tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
                                  for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
+        # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
+        checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
 
     # ---- SAVE the policy and the final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)

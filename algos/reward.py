@@ -26,7 +26,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad
 from common.models import adapt, load_reward_model, load_tokenizer
@@ -249,7 +249,9 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    tracker = Tracker(args, accelerator, args.num_steps)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs")
 
     def micro_batches():
@@ -264,8 +266,10 @@ def main(args: Args):
                 yield collate([train_examples[i] for i in chunk], tokenizer.pad_token_id)
 
     batches = micro_batches()
+    for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
+        next(batches)
     start_time = time.time()
-    for step in range(1, args.num_steps + 1):
+    for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         stats = torch.zeros(4, device=accelerator.device)  # loss, accuracy, chosen, rejected
@@ -277,6 +281,8 @@ def main(args: Args):
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=loss, grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             stats += torch.stack([loss.detach(), (chosen > rejected).float().mean(),
@@ -289,11 +295,12 @@ def main(args: Args):
         metrics = {"loss": loss, "accuracy": accuracy, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
                    "rewards/margins": r_chosen - r_rejected, "grad_norm": float("nan" if grad_norm is None else grad_norm),
                    "lr": scheduler.get_last_lr()[0], "epoch": step / max(1, steps_per_epoch),
-                   "steps_per_second": step / (time.time() - start_time)}
+                   "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate(model, eval_examples, args, tokenizer, accelerator))
             log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator)
         tracker.log(metrics, step)
+        checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
     # ---- SAVE ----
     if eval_examples:

@@ -31,7 +31,7 @@ import tyro
 from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
-from common.checkpoint import save_model
+from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
@@ -278,10 +278,12 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    checkpointer = Checkpointer(args, accelerator, scheduler)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
         sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.max_completion_length)
-    tracker = Tracker(args, accelerator, args.max_steps)
+    tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
                       f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
                       "each; rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -316,7 +318,13 @@ def main(args: Args):
     prompts_iter = prompt_batches()
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     start_time, episode, push_seconds = time.time(), 0, float("nan")
-    for step in range(1, args.max_steps + 1):
+    if resumed:  # what the loop carries across rollouts (the episode counter also gives the sampling seeds)
+        for _ in range(resumed["step"]):  # the data position
+            next(prompts_iter)
+        shuffler.set_state(resumed["shuffler"])  # the mini-batch order
+        episode = resumed["episode"]
+    start_episode = episode  # eps counts this process's episodes
+    for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
         # ---- ROLLOUT: sample rloo_k completions per prompt; sampling-time and reference logprobs ----
         indices = next(prompts_iter)
         # one seed per completion, from its place in the run: the same samples on 1 or N processes
@@ -393,6 +401,8 @@ def main(args: Args):
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if not checkpointer.finite(loss=loss.detach(), grad_norm=grad_norm):
+                                optimizer.zero_grad()  # drop this update: the step below then changes nothing
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
@@ -418,7 +428,7 @@ def main(args: Args):
                    "val/ratio": ratio_mean, "val/ratio_var": ratio_sq - ratio_mean ** 2,
                    "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
                    "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
-                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": episode / (time.time() - start_time)}
+                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
@@ -429,6 +439,8 @@ def main(args: Args):
             tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": r}
                                  for p, t, r in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
+        # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
+        checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
 
     # ---- SAVE and final gold evaluation ----
     os.makedirs(args.output_dir, exist_ok=True)

@@ -44,7 +44,9 @@ class Checkpointer:
     written into a hidden directory and renamed into place, so `latest` never points at half a
     checkpoint; the newest --save_total_limit are kept. After each step `end_of_step` saves every
     --save_steps, and saves and exits after SIGTERM / Ctrl-C (runtime.stop_on_signal) or a
-    non-finite loss or gradient, whose update `finite` has already dropped."""
+    non-finite loss or gradient, whose update `finite` has already dropped (in rloo/ppo a step is a
+    rollout: its other, finite mini-batch updates still apply). Call `resume` before creating the
+    Tracker: it restores the run name, so the metrics go on in the same JSONL."""
 
     def __init__(self, args, accelerator, scheduler):
         self.args, self.accelerator = args, accelerator
@@ -124,6 +126,6 @@ class Checkpointer:
                           "continue with --resume_from_checkpoint latest")
                 sys.exit(128 + int(stop))
             if nonfinite:
-                raise UserError(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); the update was dropped "
-                                f"and the last good weights saved in {path}; lower --learning_rate and continue with "
-                                "--resume_from_checkpoint latest, or pass --skip_nonfinite_steps")
+                raise UserError(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); the update was dropped and "
+                                f"the last good weights, untouched by it, saved in {path}; lower --learning_rate and "
+                                "continue with --resume_from_checkpoint latest, or pass --skip_nonfinite_steps")

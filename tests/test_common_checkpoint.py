@@ -73,6 +73,13 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, sc
     a, b = weights(full), weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
     assert records(cut) == records(full)
+    if script == "grpo":  # num_iterations 2: a checkpoint after step 1 holds the half-used generation batch
+        mid = tmp_path / "mid"
+        run_script(*argv(script, mid, sft_model, "--save_steps", "1", "--save_total_limit", "9"))
+        run_script(*argv(script, mid, sft_model, "--resume_from_checkpoint", str(mid / "checkpoints" / "step_1"),
+                         "--overwrite_output_dir"))
+        b = weights(mid)
+        assert all(torch.equal(a[k], b[k]) for k in a) and records(mid) == records(full)
     print(script, "stopped after step", stopped_at, "of", STEPS)
 
 
@@ -96,7 +103,7 @@ def test_nonfinite_loss_stops_after_saving_the_last_good_weights(tmp_path, monke
     sft.main(sft_args(tmp_path, save_steps=2, output_dir=str(clean)))  # the same run without NaN, saved at step 2
     nan_on_call(monkeypatch, 3)
     with pytest.raises(UserError, match=r"step 3: non-finite loss \(nan\); the update was dropped and the last good "
-                                        r"weights saved in .*step_3; lower --learning_rate"):
+                                        r"weights, untouched by it, saved in .*step_3; lower --learning_rate"):
         sft.main(sft_args(tmp_path))
     good = load_file(os.path.join(clean, "checkpoints", "step_2", "model.safetensors"))
     saved = load_file(os.path.join(tmp_path, "out", "checkpoints", "step_3", "model.safetensors"))
