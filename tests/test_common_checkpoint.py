@@ -7,6 +7,7 @@ other seven under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,3 +141,22 @@ def test_output_dir_of_a_finished_or_unfinished_run_is_not_reused_by_accident(tm
     after = weights(tmp_path / "out")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (tmp_path / "out" / "checkpoints").exists()  # the old run's checkpoints went with it
+
+
+def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
+    """TR-DPO moves the reference every step: resuming from step 2 must bring back the moved one, not the
+    reference loaded from disk (which would change the step 3-4 losses and the final weights)."""
+    from algos import dpo
+
+    def args(out, **kw):
+        return dpo.Args(model_name_or_path=sft_model, max_steps=4, per_device_train_batch_size=4, dataset_test_split="",
+                        gold_eval_split="", sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                        learning_rate=1e-3, logging_steps=1, run_name="r", output_dir=str(out), **kw)
+    dpo.main(args(tmp_path / "full", save_steps=2))
+    os.makedirs(tmp_path / "cut" / "logs")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_2", tmp_path / "cut" / "checkpoints" / "step_2")
+    shutil.copy(tmp_path / "full" / "logs" / "r.jsonl", tmp_path / "cut" / "logs" / "r.jsonl")
+    dpo.main(args(tmp_path / "cut", resume_from_checkpoint="latest"))
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert records(tmp_path / "cut") == records(tmp_path / "full")
