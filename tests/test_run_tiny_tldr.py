@@ -1,0 +1,72 @@
+"""benchmarks/run_tiny_tldr.py and its evaluation: the KL estimator against hand computations, and the
+whole job in quick mode."""
+
+import glob
+import itertools
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from benchmarks.tiny_tldr_eval import sequence_kl
+from tests.conftest import FixedLogits, run_script
+
+# next-token distributions over a 3-token vocabulary that depend only on the current token (row)
+P = [[0.1, 0.2, 0.7], [0.5, 0.25, 0.25], [0.6, 0.3, 0.1]]
+Q = [[0.3, 0.3, 0.4], [0.2, 0.6, 0.2], [0.6, 0.2, 0.2]]
+
+
+def fixed(table):
+    return FixedLogits(torch.log(torch.tensor(table)))
+
+
+def test_sequence_kl_sums_log_ratios_over_completion_tokens():
+    # prompts [2] (left-padded; pad id 1) and [0, 1]; completions 0 1 2 and 1 1 (then padding)
+    prompt_ids, prompt_mask = torch.tensor([[1, 2], [0, 1]]), torch.tensor([[0, 1], [1, 1]])
+    completion_ids, completion_mask = torch.tensor([[0, 1, 2], [1, 1, 1]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kl = sequence_kl(fixed(P), fixed(Q), prompt_ids, prompt_mask, completion_ids, completion_mask)
+    # by hand: each token's log P(y | previous token) - log Q(y | previous token)
+    first = math.log(P[2][0] / Q[2][0]) + math.log(P[0][1] / Q[0][1]) + math.log(P[1][2] / Q[1][2])
+    second = math.log(P[1][1] / Q[1][1]) + math.log(P[1][1] / Q[1][1])
+    assert kl.tolist() == pytest.approx([first, second], abs=1e-6)
+    assert sequence_kl(fixed(P), fixed(P), prompt_ids, prompt_mask, completion_ids, completion_mask).abs().max() < 1e-6
+
+
+def test_sequence_kl_mean_over_samples_estimates_the_exact_kl():
+    # exact KL(P || Q) of 3-token sequences after token 2, by enumerating all 27 of them
+    def prob(table, seq):
+        return math.prod(table[prev][y] for prev, y in zip((2,) + seq, seq))
+    exact = sum(prob(P, s) * math.log(prob(P, s) / prob(Q, s)) for s in itertools.product(range(3), repeat=3))
+    # Monte Carlo: sequences sampled from P, as the evaluation samples from the policy
+    generator, n = torch.Generator().manual_seed(0), 20000
+    tokens, current = [], torch.full((n,), 2)
+    for _ in range(3):
+        current = torch.multinomial(torch.tensor(P)[current], 1, generator=generator).squeeze(1)
+        tokens.append(current)
+    completion_ids = torch.stack(tokens, 1)
+    kl = sequence_kl(fixed(P), fixed(Q), torch.full((n, 1), 2), torch.ones(n, 1, dtype=torch.long),
+                     completion_ids, torch.ones_like(completion_ids), batch_size=5000)
+    assert abs(kl.mean().item() - exact) < 4 * kl.std().item() / math.sqrt(n)
+    assert exact > 0.1  # the two tables differ enough for the check to mean something
+
+
+@pytest.mark.slow
+def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
+    results = tmp_path / "results" / "tiny_tldr.md"
+    run_script("benchmarks/run_tiny_tldr.py", "--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8",
+               "--track", "--output_dir", str(tmp_path / "out"), "--results", str(results))
+    lines = results.read_text().splitlines()
+    for title in ("SFT", "DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO"):
+        row = next(line for line in lines if line.startswith(f"| {title}"))
+        cells = row.split("|")[2:-1]
+        # win rate, gold score, RM score, KL, length, s/step, wall time
+        for i in (0, 1, 2, 3, 4, 6, 7):
+            assert re.search(r"-?\d+\.?\d*", cells[i]), (title, i, row)
+    assert any(re.search(r"held-out preference accuracy: \*\*\d+\.\d%", line) for line in lines)
+    for name in ("win_rate", "training", "rm_vs_gold"):
+        assert (tmp_path / "results" / f"tiny_tldr_{name}.png").stat().st_size > 10000
+    # every training stage got --track and --overwrite_output_dir
+    stage_args = [json.load(open(p)) for p in glob.glob(str(tmp_path / "out" / "*" / "logs" / "*.args.json"))]
+    assert len(stage_args) == 8 and all(a["track"] and a["overwrite_output_dir"] for a in stage_args)
