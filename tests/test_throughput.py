@@ -9,7 +9,7 @@ import torch
 
 from benchmarks import throughput
 
-NAP = 0.05  # seconds each dummy module sleeps: long enough to stand out from the shared CPU's noise
+NAP = 0.1  # seconds each dummy module sleeps: long enough to stand out from a busy CPU's delays
 
 
 class Sleeper(torch.nn.Module):
@@ -38,7 +38,7 @@ def test_nested_module_calls_are_timed_once():
         model(torch.zeros(1))
         meter.on = False
     # double counting the children would give 5 naps
-    assert 3 * NAP <= meter.seconds["forward"] < 4 * NAP
+    assert 3 * NAP <= meter.seconds["forward"] < 4.5 * NAP
     assert meter.calls["forward"] == 1
     assert torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl  # uninstalled
 
@@ -47,7 +47,7 @@ def test_model_calls_inside_generate_and_backward_are_not_forward(tiny_model):
     from transformers import AutoModelForCausalLM
     from transformers.generation.utils import GenerationMixin
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model, original = AutoModelForCausalLM.from_pretrained(tiny_model), GenerationMixin.generate
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with throughput.Meter() as meter:
         meter.on = True
@@ -64,7 +64,7 @@ def test_model_calls_inside_generate_and_backward_are_not_forward(tiny_model):
         Accelerator().backward(loss)  # as the scripts create it
         meter.on = False
     assert meter.calls["backward"] == 1 and meter.seconds["backward"] > 0
-    assert GenerationMixin.generate.__name__ == "generate" and not hasattr(GenerationMixin.generate, "__wrapped__")
+    assert GenerationMixin.generate is original  # uninstalled
 
 
 def test_benchmark_two_scripts(tmp_path, sft_model):
