@@ -83,7 +83,8 @@ class Checkpointer:
     def finite(self, **values) -> bool:
         """Call after clipping, before optimizer.step(): False when a value (loss, grad_norm, ...) is
         not finite on any process; the caller then drops the update. Every process decides alike."""
-        bad = [(k, float(v)) for k, v in values.items() if v is not None and not math.isfinite(float(v))]
+        values = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in values.items() if v is not None}
+        bad = [(k, v) for k, v in values.items() if not math.isfinite(v)]
         flag = self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max")
         if flag.item() == 0:
             return True
