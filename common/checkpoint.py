@@ -56,6 +56,11 @@ class Checkpointer:
             shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
+    def saved(self) -> list[str]:
+        """The complete checkpoints (step_<n>; a partial one is hidden), oldest first."""
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        return sorted((d for d in names if d.startswith("step_")), key=lambda d: int(d[5:]))
+
     def resume(self) -> dict:
         """Load --resume_from_checkpoint (a directory, or `latest` in <output_dir>/checkpoints) into
         the model, optimizer, scheduler and RNGs; return the loop state saved with it ({} without)."""
@@ -63,11 +68,9 @@ class Checkpointer:
         if not path:
             return {}
         if path == "latest":
-            done = sorted((d for d in os.listdir(self.root) if d.startswith("step_")), key=lambda d: int(d[5:])) \
-                if os.path.isdir(self.root) else []
-            if not done:
+            if not self.saved():
                 raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'")
-            path = os.path.join(self.root, done[-1])
+            path = os.path.join(self.root, self.saved()[-1])
         rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
         if not os.path.isfile(rank_file):
             raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
@@ -106,8 +109,7 @@ class Checkpointer:
         if acc.is_main_process:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            done = sorted((d for d in os.listdir(self.root) if d.startswith("step_")), key=lambda d: int(d[5:]))
-            for old in done[:-max(1, self.args.save_total_limit)]:
+            for old in self.saved()[:-max(1, self.args.save_total_limit)]:
                 shutil.rmtree(os.path.join(self.root, old))
         acc.wait_for_everyone()
         return final
