@@ -46,7 +46,8 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, deepspeed_stage, load_policy, load_tokenizer, prepare_frozen, reference
+from common.models import (adapt, deepspeed_stage, hint_learning_rate, load_policy,
+                           load_tokenizer, prepare_frozen, reference)
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
@@ -288,7 +289,7 @@ def collate(examples, pad_id: int):
 
 
 def forward_pairs(model, batch, mean_logps: bool):
-    """(chosen logps, rejected logps, chosen token counts, mean logits of chosen / rejected completions)."""
+    """(chosen logps, rejected logps, (chosen, rejected) token counts, mean logits of chosen / rejected completions)."""
     input_ids, attention_mask, completion_mask = batch
     logits = shifted_logits(model, input_ids, attention_mask)
     logps, counts = sequence_logps(logits, input_ids, completion_mask)
@@ -297,7 +298,7 @@ def forward_pairs(model, batch, mean_logps: bool):
     if mean_logps:
         logps = logps / counts
     chosen, rejected = logps.chunk(2)
-    return chosen, rejected, counts.chunk(2)[0], mean_logits
+    return chosen, rejected, counts.chunk(2), mean_logits
 
 
 def main(args: Args):
@@ -351,6 +352,7 @@ def main(args: Args):
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.ref_model_name_or_path or args.model_name_or_path,
@@ -404,7 +406,7 @@ def main(args: Args):
         """Loss and the TRL metrics of one micro-batch of pairs (indices into `examples`)."""
         nonlocal bco_sum, bco_count
         batch = tuple(t.to(accelerator.device) for t in collate([examples[i] for i in indices], tokenizer.pad_token_id))
-        chosen, rejected, chosen_counts, (logits_c, logits_r) = forward_pairs(policy, batch, mean_logps)
+        chosen, rejected, (chosen_counts, rejected_counts), (logits_c, logits_r) = forward_pairs(policy, batch, mean_logps)
         ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(
             [examples[i] for i in indices])
         delta = bco_sum / bco_count if bco_count else 0.0
@@ -415,6 +417,8 @@ def main(args: Args):
             total = accelerator.reduce(torch.stack([reward_c.sum() + reward_r.sum(), torch.tensor(
                 2.0 * len(indices), device=accelerator.device)]), "sum")
             bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())
+        if args.loss_type == "ipo":  # its loss compares per-token means; the logged rewards stay beta x summed log-ratios
+            reward_c, reward_r = reward_c * chosen_counts, reward_r * rejected_counts
         summed_chosen = chosen * chosen_counts if mean_logps else chosen
         nll = -summed_chosen.sum() / chosen_counts.sum()  # RPO: mean NLL per chosen token
         if args.rpo_alpha:

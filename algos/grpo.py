@@ -33,7 +33,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -70,7 +70,8 @@ class Args:
     reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
     """reward models (sequence classifiers with one output), each with its own tokenizer"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
+    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward (models first, then functions; default all 1)"""
     missing_eos_penalty: float | None = None
@@ -204,14 +205,17 @@ class Args:
 # ALGO LOGIC: group-relative advantages and the clipped loss
 # ---------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
-    """(r - mean of its group) / std; groups are consecutive runs of num_generations rewards."""
+    """(r - mean of its group) / std; groups are consecutive runs of num_generations rewards.
+    An unscorable completion (reward NaN) is left out of its group's mean and std and gets 0."""
     grouped = rewards.view(-1, num_generations)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
-    if scale_rewards == "group":
-        advantages = advantages / (grouped.std(dim=1).repeat_interleave(num_generations) + 1e-4)
+    scored = ~grouped.isnan()
+    n = scored.sum(dim=1, keepdim=True)
+    centered = (grouped - grouped.nansum(dim=1, keepdim=True) / n.clamp(min=1)).masked_fill(~scored, 0.0)
+    if scale_rewards == "group":  # the unbiased std of the scored rewards of the group
+        centered = centered / ((centered.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt() + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + 1e-4)
-    return advantages
+        centered = centered / (torch.nan_to_num(rewards[~rewards.isnan()].std()) + 1e-4)
+    return centered.flatten()
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
@@ -269,6 +273,7 @@ def main(args: Args):
                                f"{args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, model, accelerator)
     ref_model = None
     if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
@@ -348,16 +353,20 @@ def main(args: Args):
             completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                            for p, t in zip(batch_prompts, texts)]
             columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-            rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
-            rewards = rewards.to(accelerator.device)
+            rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
+                                                  [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+            rewards = rewards.to(accelerator.device)  # NaN: no reward source scored that completion
             if args.missing_eos_penalty is not None:
                 rewards = rewards - args.missing_eos_penalty * (~finished).float()
 
-            # ---- ADVANTAGES: relative to the group, over the global batch ----
+            # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
+            # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
             all_rewards = accelerator.gather(rewards)
             advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
             advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
-            loss_mask = c_mask.float() * (finished.float()[:, None] if args.mask_truncated_completions else 1.0)
+            loss_mask = c_mask.float() * ~rewards.isnan()[:, None]
+            if args.mask_truncated_completions:
+                loss_mask = loss_mask * finished[:, None]
             # dapo: normalise by the tokens of the whole global batch; backward() divides by the
             # accumulation steps and DDP averages over processes, so scale to one micro-batch
             num_items = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1) / (args.gradient_accumulation_steps * args.world_size)
@@ -411,11 +420,14 @@ def main(args: Args):
             loss, kl, entropy, clip_low, clip_high, clip_region = (
                 accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
             lengths = accelerator.gather(c_mask.sum(1).float())
-            grouped_std = all_rewards.view(-1, args.num_generations).std(dim=1)
-            metrics = {"loss": loss, "reward": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+            grouped = all_rewards.view(-1, args.num_generations)
+            spread = (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1)
+            scored = all_rewards[~all_rewards.isnan()]
+            metrics = {"loss": loss, "reward": scored.mean().item(), "reward_std": scored.std().item(),
                        "completions/mean_length": lengths.mean().item(),
                        "completions/clipped_ratio": 1 - accelerator.gather(finished.float()).mean().item(),
-                       "frac_reward_zero_std": (grouped_std < 1e-6).float().mean().item(), "entropy": entropy,
+                       "frac_reward_zero_std": (spread < 1e-6).float().mean().item(), "entropy": entropy,
+                       "completions/unscored_ratio": 1 - len(scored) / len(all_rewards),
                        "clip_ratio/low_mean": clip_low, "clip_ratio/high_mean": clip_high,
                        "clip_ratio/region_mean": clip_region, "grad_norm": float("nan" if grad_norm is None else grad_norm),
                        "lr": scheduler.get_last_lr()[0], "episode": episode,

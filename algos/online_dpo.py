@@ -34,7 +34,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, import_judge, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -71,7 +71,8 @@ class Args:
     reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
     """reward models (sequence classifiers with one output) that score each completion"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
+    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward (models first, then functions; default all 1)"""
     judge: str | None = None
@@ -223,6 +224,7 @@ def main(args: Args):
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
@@ -266,7 +268,7 @@ def main(args: Args):
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
-        stats = torch.zeros(12, device=accelerator.device)
+        stats = torch.zeros(13, device=accelerator.device)
         if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
             push_seconds = sampler.push_weights(model)
         for _ in range(args.gradient_accumulation_steps):
@@ -298,11 +300,17 @@ def main(args: Args):
                 scores = torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten().to(accelerator.device)
             else:
                 scores = compute_rewards(sources, weights, prompts, completions,
-                                         {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"})[0]
+                                         {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
+                                         [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])[0]
                 scores = scores.to(accelerator.device)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
             pairs = scores.view(-1, 2)
+            # a pair with an unscorable completion (no reward source scored it: NaN) cannot be
+            # ranked: it stays out of the loss (its share of the mean is 0); score metrics count it as 0
+            unscored = pairs.isnan().float().mean()
+            ranked = ~pairs.isnan().any(dim=1)
+            pairs = pairs.nan_to_num()
             chosen_idx = select_chosen(pairs)
             rows_c = torch.arange(len(indices), device=accelerator.device) * 2 + chosen_idx
             rows_r = torch.arange(len(indices), device=accelerator.device) * 2 + 1 - chosen_idx
@@ -314,7 +322,7 @@ def main(args: Args):
                     ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width)
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
                                                              ref_logps[rows_r], beta, args.loss_type)
-                loss = losses.mean()
+                loss = (losses * ranked).sum() / len(losses)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -327,17 +335,18 @@ def main(args: Args):
             stats += torch.stack([
                 loss.detach(), kl.mean(), -logps.detach().mean(), pairs.mean(), (scores_by_pair[:, 0] - scores_by_pair[:, 1]).mean(),
                 reward_c.mean(), reward_r.mean(), (reward_c > reward_r).float().mean(), logps.detach()[rows_c].mean(),
-                logps.detach()[rows_r].mean(), finished.float().mean(), (pairs.mean(1) - beta * kl).mean()])
+                logps.detach()[rows_r].mean(), finished.float().mean(), (pairs.mean(1) - beta * kl).mean(), unscored])
         scheduler.step()
         tracker.step()
 
         # ---- LOG (TRL's online DPO names) ----
-        (loss, kl, entropy, score, margin, r_c, r_r, acc, lp_c, lp_r, eos, rlhf) = (
+        (loss, kl, entropy, score, margin, r_c, r_r, acc, lp_c, lp_r, eos, rlhf, unscored) = (
             accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
         metrics = {"loss": loss, "objective/kl": kl, "objective/entropy": entropy, "objective/non_score_reward": -beta * kl,
                    "objective/rlhf_reward": rlhf, "objective/scores": score, "objective/scores_margin": margin,
                    "rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": acc, "rewards/margins": r_c - r_r,
                    "logps/chosen": lp_c, "logps/rejected": lp_r, "val/contain_eos_token": eos, "beta": beta,
+                   "completions/unscored_ratio": unscored,
                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
                    "eps": (episode - start_episode) / (time.time() - start_time)}
         if sampler is not None:

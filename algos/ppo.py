@@ -33,7 +33,8 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, load_policy, load_reward_model, load_tokenizer, prepare_frozen, resolve
+from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
+                           load_tokenizer, prepare_frozen, resolve)
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -64,7 +65,8 @@ class Args:
     reward_model_path: str = "output/reward"
     """frozen reward model; the value model starts as a copy of it (N+ detail)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """extra reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    """extra reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
+    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward (the reward model first, then functions; default all 1)"""
     dataset_name: str = tiny_tldr.TINY_SFT_DATA
@@ -288,6 +290,7 @@ def main(args: Args):
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, policy, accelerator)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -369,13 +372,16 @@ def main(args: Args):
         old_logps, ref_logps, old_values = rollout_forward(input_ids, attention_mask, prompt_width, r_ids)
         old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
 
-        # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail) ----
+        # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail). The reward
+        # model scores every response, so none is unscorable: an extra reward function's None only
+        # leaves that function's term out of the sum ----
         texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
         batch_prompts = [rows[i]["prompt"] for i in indices]
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(batch_prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores = compute_rewards(sources, weights, batch_prompts, completions, columns)[0].to(accelerator.device)
+        scores = compute_rewards(sources, weights, batch_prompts, completions, columns,
+                                 [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])[0].to(accelerator.device)
         if args.penalty_reward_value is not None:
             scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
         elif args.missing_eos_penalty is not None:

@@ -29,7 +29,8 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad
-from common.models import adapt, load_reward_model, load_tokenizer
+from common.models import adapt, hint_learning_rate, load_reward_model, load_tokenizer
+from common.rewards import last_token_scores
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
@@ -166,16 +167,15 @@ def tokenize(dataset, tokenizer, max_length: int):
 
 
 def collate(examples, pad_id: int):
-    """Chosen then rejected in one right-padded batch of 2B rows (one forward pass for both); the
-    classifier reads the last non-pad token, which is the EOS."""
-    input_ids, attention_mask = pad([c for c, _, _ in examples] + [r for _, r, _ in examples], pad_id)
+    """Chosen then rejected in one left-padded batch of 2B rows (one forward pass for both), so that
+    each row's last real token, its EOS, is the last position, where `last_token_scores` reads."""
+    input_ids, attention_mask = pad([c for c, _, _ in examples] + [r for _, r, _ in examples], pad_id, side="left")
     return input_ids, attention_mask, torch.tensor([m for _, _, m in examples])
 
 
 def rewards_of(model, input_ids, attention_mask):
     """(chosen rewards, rejected rewards) of a batch from `collate`."""
-    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    return rewards.chunk(2)
+    return last_token_scores(model, input_ids, attention_mask).chunk(2)
 
 
 @torch.no_grad()
@@ -240,7 +240,8 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype), args, "SEQ_CLS")
+    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype, new_head=True), args, "SEQ_CLS")
+    hint_learning_rate(args, model, accelerator)
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
         # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1))
         torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))

@@ -34,7 +34,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference, resolve
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -71,7 +71,8 @@ class Args:
     reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
     """reward models (sequence classifiers with one output), each with its own tokenizer"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function(prompts, completions, **columns) -> list[float | None]`"""
+    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
+    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward (models first, then functions; default all 1)"""
     missing_eos_penalty: float | None = None
@@ -204,23 +205,30 @@ class Args:
 # ALGO LOGIC: leave-one-out advantages and the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """r_i - mean of the other k - 1 rewards of its group; groups are consecutive runs of k."""
+    """r_i - mean of the other k - 1 rewards of its group; groups are consecutive runs of k.
+    Unscorable completions (reward NaN) are in no baseline and get 0, as does a completion whose
+    group has no other scored one."""
     grouped = rewards.view(-1, k)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)
-    return (grouped - baseline).flatten()
+    scored = ~grouped.isnan()
+    n = scored.sum(dim=1, keepdim=True)
+    baseline = (grouped.nansum(dim=1, keepdim=True) - grouped) / (n - 1).clamp(min=1)
+    return torch.where(scored & (n > 1), grouped - baseline, 0.0).flatten()
 
 
 def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float, k: int):
     """Per-token advantages [N, T]: token rewards -kl_coef * kl_t plus the score at the last real
     token; a token's return sums the rewards from it on; the baseline is the leave-one-out mean of
-    the other samples' whole-sequence returns."""
+    the other scored samples' whole-sequence returns. Unscorable samples (score NaN) get 0."""
+    scored = ~scores.isnan()
     rewards = -kl_coef * kl * mask
     last = (mask.sum(dim=1) - 1).clamp(min=0).long()
-    rewards[torch.arange(len(scores)), last] += scores
+    rewards[torch.arange(len(scores)), last] += scores.nan_to_num()
     returns = rewards.flip(1).cumsum(1).flip(1)  # reward-to-go
-    grouped = returns[:, 0].view(-1, k)
-    baseline = ((grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)).flatten()
-    return (returns - baseline[:, None]) * mask
+    grouped, in_group = returns[:, 0].view(-1, k), scored.view(-1, k)
+    n = in_group.sum(dim=1, keepdim=True)
+    baseline = ((grouped * in_group).sum(dim=1, keepdim=True) - grouped) / (n - 1).clamp(min=1)
+    keep = (in_group & (n > 1)).flatten()[:, None]
+    return (returns - baseline.flatten()[:, None]) * mask * keep
 
 
 def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0):
@@ -269,6 +277,7 @@ def main(args: Args):
                                f"{args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
@@ -355,17 +364,21 @@ def main(args: Args):
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(batch_prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns)
-        scores = scores.to(accelerator.device)
+        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
+                                             [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        scores = scores.to(accelerator.device)  # NaN: no reward source scored that completion
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~finished).float()
 
         # ---- REWARDS and ADVANTAGES: score minus the KL penalty, leave-one-out baseline, over
         # the global batch (a prompt's k samples may sit on different ranks) ----
         all_scores, kl = accelerator.gather(scores), accelerator.gather(old_logps - ref_logps)
-        all_mask = accelerator.gather(mask)
+        # unscorable completions (score NaN) stay out of the baselines, the whitening and the loss
+        scored = ~all_scores.isnan()
+        all_mask = accelerator.gather(mask) * scored[:, None]
         if args.normalize_rewards:
-            all_scores = whiten(all_scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+            all_scores = whiten(all_scores.nan_to_num(), scored.float()).clamp(
+                -args.reward_clip_range, args.reward_clip_range).masked_fill(~scored, math.nan)
         non_score_reward = -args.kl_coef * kl.sum(1)
         rlhf_reward = all_scores + non_score_reward
         if args.token_level_kl:
@@ -375,7 +388,7 @@ def main(args: Args):
         else:
             advantages = rloo_advantages(rlhf_reward, args.rloo_k)
             if args.normalize_advantages:
-                advantages = whiten(advantages)
+                advantages = whiten(advantages, scored.float())
         # the whole rollout on every rank: micro-batches are drawn from one global shuffle, so the
         # update does not depend on how many processes share it
         input_ids, attention_mask, old_logps, sampler_logps = (accelerator.gather(t) for t in (
@@ -423,7 +436,8 @@ def main(args: Args):
         metrics = {"objective/kl": kl.sum(1).mean().item(),
                    "objective/entropy": (accelerator.reduce(entropy_sum, "sum") / len(all_scores)).item(),
                    "objective/non_score_reward": non_score_reward.mean().item(),
-                   "objective/rlhf_reward": rlhf_reward.mean().item(), "objective/scores": all_scores.mean().item(),
+                   "objective/rlhf_reward": rlhf_reward.nanmean().item(), "objective/scores": all_scores.nanmean().item(),
+                   "completions/unscored_ratio": 1 - scored.float().mean().item(),
                    "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": clipfrac, "loss/policy_avg": loss,
                    "val/ratio": ratio_mean, "val/ratio_var": ratio_sq - ratio_mean ** 2,
                    "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),

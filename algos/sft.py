@@ -26,7 +26,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
-from common.models import adapt, load_policy, load_tokenizer
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
@@ -153,7 +153,11 @@ def tokenize(dataset, tokenizer, max_length: int):
     """Rows -> (input_ids, number of prompt tokens). Rows whose prompt leaves no room for a single
     completion token are dropped and counted; longer completions are cut at `max_length`."""
     examples, skipped = [], 0
-    for row in dataset:
+    for i, row in enumerate(dataset):
+        if "messages" in row and row["messages"][-1]["role"] != "assistant":
+            raise UserError(f"row {i}: its last message is the {row['messages'][-1]['role']!r}'s, but SFT on `messages` "
+                            "learns the last message, which must be the assistant's; end each conversation with "
+                            "the assistant's reply, or drop that row")
         prompt, completion = ((row["messages"][:-1], row["messages"][-1:]) if "messages" in row
                               else (row["prompt"], row["completion"]))
         prompt_ids = encode_prompt(tokenizer, prompt)
@@ -239,6 +243,7 @@ def main(args: Args):
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    hint_learning_rate(args, model, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)

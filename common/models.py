@@ -9,8 +9,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from benchmarks import tiny_tldr
 from common.runtime import UserError
 
-PAD_TOKEN = "<|pad|>"
-
 
 def resolve(name_or_path: str) -> str:
     """The tiny task's default names ("tiny-pythia", ...) build locally on first use."""
@@ -28,28 +26,20 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
 
 
 def load_tokenizer(name_or_path: str):
-    """Tokenizer with a pad token distinct from EOS, left-padding for generation.
-
-    pad == eos is refused: padding is masked out of the loss, so EOS would be masked too and the
-    model would never learn to stop. A missing pad token is added (call `fit_embeddings` after)."""
+    """The tokenizer as shipped, left-padding for generation. Without a pad token, EOS pads (as in
+    TRL): every mask in these scripts comes from sequence lengths and from each completion's first
+    EOS, never from `ids == pad_token_id`, so pad == eos is safe and the EOS stays in every loss."""
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
     if tokenizer.eos_token_id is None:
         raise UserError(f"tokenizer of '{name_or_path}' has no eos_token; set one and save it")
     if tokenizer.pad_token_id is None:
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    elif tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise UserError(
-            f"tokenizer of '{name_or_path}' uses its EOS token {tokenizer.eos_token!r} as pad token, "
-            "so EOS would be masked like padding and the model would never learn to stop; save the "
-            f"tokenizer with a distinct pad token (or with none: the scripts then add {PAD_TOKEN!r})")
+        tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
 
 
-def fit_embeddings(model, tokenizer):
-    """Grow the embeddings if the tokenizer gained a token, and record the pad id in the config."""
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+def record_pad_id(model, tokenizer):
+    """Record the tokenizer's pad id in the model's config and generation config."""
     model.config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -59,20 +49,33 @@ def fit_embeddings(model, tokenizer):
 def load_policy(name_or_path: str, tokenizer, dtype: str = "auto"):
     """A causal LM (the policy, or a frozen reference when put in eval mode by the caller)."""
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_dtype(dtype))
-    return fit_embeddings(model, tokenizer)
+    return record_pad_id(model, tokenizer)
 
 
-def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto"):
-    """A sequence classifier with exactly one label: its logit is the scalar reward. Loading a
-    causal LM here adds a freshly initialised score head (how reward training starts)."""
+def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_head: bool = False):
+    """A sequence classifier with exactly one label: its logit is the scalar reward. A causal LM is
+    refused unless new_head (reward training): it would get a freshly initialised, random score head."""
     config = _from_pretrained(AutoConfig, name_or_path)
-    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels != 1:
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    if classifier and config.num_labels != 1:
         raise UserError(f"'{name_or_path}' is a sequence classifier with {config.num_labels} labels, but a reward "
                         "model has one output (its logit is the reward); use a one-label classifier such as "
                         "reward.py saves, or start reward.py from a causal LM (it adds a one-output head)")
-    model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, num_labels=1,
-                             dtype=_dtype(dtype))
-    return fit_embeddings(model, tokenizer)
+    if not classifier and not new_head:
+        raise UserError(f"'{name_or_path}' is not a reward model ({', '.join(config.architectures or ['no architecture'])}, "
+                        "not a sequence classifier): its score head would be random; train one with reward.py, "
+                        "or pass a reward function with --reward_funcs")
+    model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, num_labels=1, dtype=_dtype(dtype))
+    return record_pad_id(model, tokenizer)
+
+
+def hint_learning_rate(args, model, accelerator):
+    """One line when a real model meets the tiny task's default learning rate: the defaults are tuned
+    for its ~1M-parameter model, and real models want rates 10-1000x smaller (README, "Real models")."""
+    default = getattr(type(args), "learning_rate", None)
+    if args.learning_rate == default and model.num_parameters() > 10_000_000:
+        accelerator.print(f"hint: --learning_rate {default} is the tiny task's default; for a model of "
+                          f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\" for learning rates")
 
 
 def adapt(model, args, task_type: str = "CAUSAL_LM"):

@@ -2,9 +2,10 @@
 
 A reward model is a sequence classifier with one output and its own tokenizer: prompt + completion
 are re-tokenized for it (ending in EOS, as in reward training) and left-truncated to its length.
-A reward function is named `module:function` and called as
-`f(prompts, completions, **columns) -> list[float | None]`, where `columns` holds the dataset's
-other columns for these rows; None means "does not apply" and is left out of the sum.
+A reward function is named `module:function` and called by keyword, as TRL does:
+`f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`, where
+`columns` holds the dataset's other columns for these rows; None (or NaN) means "does not apply"
+and is left out of the sum; a completion no source scores gets NaN (see `compute_rewards`).
 """
 
 import importlib
@@ -69,6 +70,22 @@ def import_judge(spec: str):
     return checked
 
 
+def last_token_scores(model, input_ids, attention_mask) -> torch.Tensor:
+    """A one-output classifier's score of each LEFT-padded row, read at its last real token, [B].
+
+    HF's classifiers read the last token that is not `pad_token_id`: with pad == eos that is the
+    token before the completion's EOS, not the EOS. Shown a pad id that never occurs, they read the
+    last position instead, which left padding makes every row's last real token; positions count
+    real tokens only, so a row scores as it would unpadded."""
+    config = getattr(model, "module", model).config  # under DDP / DeepSpeed: the wrapped model's
+    pad_id, config.pad_token_id = config.pad_token_id, -1
+    try:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
+    finally:
+        config.pad_token_id = pad_id
+
+
 @torch.no_grad()
 def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 64) -> torch.Tensor:
     """The reward model's scalar for each (prompt, completion), in its own tokens."""
@@ -78,20 +95,27 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
     device = next(model.parameters()).device
     scores = []
     for i in range(0, len(seqs), batch_size):
-        ids, mask = pad(seqs[i:i + batch_size], tokenizer.pad_token_id)  # right: the head reads the last real token
-        scores.append(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+        ids, mask = pad(seqs[i:i + batch_size], tokenizer.pad_token_id, side="left")
+        scores.append(last_token_scores(model, ids.to(device), mask.to(device)).cpu())
     return torch.cat(scores)
 
 
-def compute_rewards(sources, weights, prompts: list, completions: list, columns: dict):
-    """(weighted sum per completion [N], {name: [N] with nan where a function returned None})."""
+def compute_rewards(sources, weights, prompts: list, completions: list, columns: dict,
+                    completion_ids: list[list[int]] | None = None):
+    """(weighted sum per completion [N], {name: [N] with nan where a source gave None or NaN}).
+
+    Reward functions are called by keyword, as TRL calls them: `f(prompts=..., completions=...,
+    completion_ids=..., **columns)`, so `def f(completions, **kwargs)` works as well as
+    `def f(prompts, completions, **kw)`. A source that returns None (or NaN) for a completion is
+    left out of its sum; a completion that no source scores is *unscorable*, and its sum is NaN
+    (not 0): the scripts give it no gradient instead of a made-up reward. inf is an error."""
     per_source = {}
     for name, fn, tokenizer in sources:
         if tokenizer is not None:
             per_source[name] = score_with_model(fn, tokenizer, prompts, completions)
             continue
         try:
-            values = fn(prompts, completions, **columns)
+            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:  # a user's function: say which one failed, in one line
             raise UserError(f"reward function '{name}' raised {type(e).__name__}: {e}") from None
         if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
@@ -104,5 +128,10 @@ def compute_rewards(sources, weights, prompts: list, completions: list, columns:
             bad = next(v for v in values if v is not None and not isinstance(v, (int, float)))
             raise UserError(f"reward function '{name}' returned {type(bad).__name__} {str(bad)[:40]!r}; "
                             "it must return a list with one float (or None) per completion") from None
+        if per_source[name].isinf().any():
+            i = int(per_source[name].isinf().nonzero()[0])
+            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} ({str(completions[i])[:40]!r}); "
+                            "rewards must be finite (return None to leave a completion unscored)")
     weighted = torch.stack(list(per_source.values()), dim=1) * torch.tensor(weights)
-    return weighted.nansum(dim=1), per_source
+    unscorable = weighted.isnan().all(dim=1)
+    return weighted.nansum(dim=1).masked_fill(unscorable, math.nan), per_source

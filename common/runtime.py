@@ -9,6 +9,7 @@ import time
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 
 
 class UserError(Exception):
@@ -22,8 +23,27 @@ def exit_on_user_error():
         yield
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":  # once, not once per process
+            for bar in list(getattr(tqdm, "_instances", ())):  # end the progress bar's line first
+                bar.close()
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+# flags that size, count or scale something: 0 or less is never meaningful (and some divide by them)
+POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+            "learning_rate", "max_grad_norm", "num_train_epochs", "eval_steps", "max_length", "max_prompt_length",
+            "max_completion_length", "max_new_tokens", "response_length", "num_iterations", "num_ppo_epochs",
+            "num_mini_batches", "local_rollout_forward_batch_size", "ref_model_sync_steps", "lora_r", "lora_alpha",
+            "temperature")
+
+
+def check_positive(args):
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
+                   "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
+            raise UserError(f"--{name} must be > 0 (got {value}){why}")
 
 
 stop_signal: int | None = None  # set by SIGTERM / Ctrl-C under `stop_on_signal`; read by the Checkpointer
@@ -60,8 +80,9 @@ def setup(args) -> Accelerator:
     """Accelerator with gradient accumulation (and bf16 with --bf16), and the same seed on every rank
     (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion).
     Fills in `args.world_size`, `args.run_name`, and under DeepSpeed the batch size and clipping norm
-    it would otherwise expect from a prepared DataLoader or its config. Refuses an output_dir that
-    another run has used (see check_output_dir) before anything loads."""
+    it would otherwise expect from a prepared DataLoader or its config. Refuses non-positive sizes and
+    rates, and an output_dir that another run has used (see check_output_dir), before anything loads."""
+    check_positive(args)
     check_output_dir(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                               mixed_precision="bf16" if getattr(args, "bf16", False) else None)

@@ -207,26 +207,37 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
       for s in OFFLINE],
     *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "1 prompts make no full batch of")
       for s in ONLINE],
-    # 9. a tokenizer whose pad token is its EOS
-    *[(s, "pad_eos", None, dict(model_name_or_path="<pad_is_eos>"), "never learn to stop") for s in SCRIPTS],
+    # 9. sizes, counts and rates that must be positive, and online sampling at temperature 0
+    *[(s, "batch0", None, dict(per_device_train_batch_size=0), "--per_device_train_batch_size must be "
+       + (">= 2" if s == "kto" else r"> 0 \(got 0\)")) for s in SCRIPTS],
+    *[(s, "lr", None, dict(learning_rate=-1.0), r"--learning_rate must be > 0 \(got -1.0\)") for s in SCRIPTS],
+    *[(s, "temperature", None, dict(temperature=0.0), r"--temperature must be > 0 \(got 0.0\); online RL samples")
+      for s in ONLINE],
+    # 10. SFT conversations that do not end with the assistant's reply
+    ("sft", "last_message", lambda rows: [{"messages": [{"role": "user", "content": "a"}]}] * 4, {},
+     "row 0: its last message is the 'user''s"),
+    # 11. a causal LM where a reward model belongs (its score head would be random), and an inf reward
+    *[(s, "causal_rm", None, dict(reward_model_paths=["<causal_lm>"]), "is not a reward model .GPTNeoXForCausalLM")
+      for s in ("grpo", "rloo", "online_dpo")],
+    ("ppo", "causal_rm", None, dict(reward_model_path="<causal_lm>"), "is not a reward model .GPTNeoXForCausalLM"),
+    ("grpo", "reward_inf", None, dict(reward_funcs=["tests.toy_rewards:infinite"]),
+     "reward function 'infinite' returned inf for completion 0"),
 ]
 
 
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory, tiny_model):
-    """<pad_is_eos>: a tokenizer alone; <two_labels> / <one_label>: classifiers from the tiny model."""
+    """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself."""
     from transformers import AutoModelForSequenceClassification
 
     root = tmp_path_factory.mktemp("bad_models")
-    paths = {name: str(root / name) for name in ("pad_is_eos", "two_labels", "one_label")}
+    paths = {name: str(root / name) for name in ("two_labels", "one_label")}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for name, num_labels in (("two_labels", 2), ("one_label", 1)):
         model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=num_labels)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
-    tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.save_pretrained(paths["pad_is_eos"])
-    return {f"<{name}>": path for name, path in paths.items()}
+    return {**{f"<{name}>": path for name, path in paths.items()}, "<causal_lm>": tiny_model}
 
 
 @pytest.mark.parametrize("script,case,rows,kw,message", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
@@ -239,6 +250,17 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
     kw = {k: [fill(x) for x in v] if isinstance(v, list) else fill(v) for k, v in kw.items()}
     with pytest.raises(UserError, match=message):
         module.main(module.Args(**kw))
+
+
+def test_an_error_after_the_progress_bar_starts_on_its_own_line(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT}] * 4)
+    proc = run_script("algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", data,
+                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:infinite", "--num_generations", "2",
+                      "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
+                      "--output_dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "|" in proc.stderr.split("error: ")[0]  # the progress bar was drawn before the error ...
+    assert proc.stderr.count("error: ") == 1 and "\nerror: reward function 'infinite' returned inf" in proc.stderr
 
 
 def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path, tiny_model):

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from common.models import PAD_TOKEN, load_policy, load_reward_model, load_tokenizer
+from common.models import load_policy, load_reward_model, load_tokenizer
 from common.runtime import UserError, exact_div
 
 
@@ -15,26 +15,32 @@ def save_tokenizer_with(tiny_model, tmp_path, **special):
     return str(tmp_path)
 
 
-def test_pad_equal_to_eos_is_refused(tiny_model, tmp_path):
+def test_pad_equal_to_eos_is_kept_as_shipped(tiny_model, tmp_path):
     path = save_tokenizer_with(tiny_model, tmp_path, pad_token="<|endoftext|>")
-    with pytest.raises(UserError, match="never learn to stop"):
-        load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and tokenizer.padding_side == "left"
 
 
-def test_missing_pad_token_is_added_and_embeddings_grow(tiny_model, tmp_path):
+def test_missing_pad_token_reuses_eos_and_reaches_the_config(tiny_model, tmp_path):
     path = save_tokenizer_with(tiny_model, tmp_path, pad_token=None)
     tokenizer = load_tokenizer(path)
-    assert tokenizer.pad_token == PAD_TOKEN and tokenizer.pad_token_id != tokenizer.eos_token_id
-    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == tokenizer.eos_token
+    vocab = len(AutoTokenizer.from_pretrained(tiny_model))
+    assert len(tokenizer) == vocab  # no token added, so the embeddings need no new row
     model = load_policy(tiny_model, tokenizer)
-    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
-    assert model.config.pad_token_id == tokenizer.pad_token_id == model.generation_config.pad_token_id
+    assert model.config.pad_token_id == tokenizer.eos_token_id == model.generation_config.pad_token_id
 
 
 def test_reward_model_has_one_output(tiny_model, tokenizer):
-    model = load_reward_model(tiny_model, tokenizer)
+    model = load_reward_model(tiny_model, tokenizer, new_head=True)
     out = model(**tokenizer(["TITLE: a", "TITLE: b"], return_tensors="pt"))
     assert out.logits.shape == (2, 1)
+
+
+def test_causal_lm_as_reward_model_is_refused(tiny_model, tokenizer):
+    # its score head would be freshly initialised: the run would train on random rewards
+    with pytest.raises(UserError, match="is not a reward model .GPTNeoXForCausalLM, not a sequence classifier."):
+        load_reward_model(tiny_model, tokenizer)
 
 
 def test_wrong_model_path_is_one_clear_error(tmp_path):

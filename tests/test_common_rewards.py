@@ -33,6 +33,43 @@ def test_weights_none_and_columns(reward_module):
     assert math.isnan(per_source["sometimes"][1]) and per_source["length"].tolist() == [2.0, 3.0]
 
 
+def test_trl_style_signatures_are_called_by_keyword(reward_module):
+    seen = {}
+
+    def trl_style(completions, **kwargs):  # TRL's documented form
+        seen["kwargs"] = sorted(kwargs)
+        return [float(len(c)) for c in completions]
+
+    def keyword_only(*, completion_ids, prompts, **kwargs):
+        return [float(len(ids)) + len(p) for ids, p in zip(completion_ids, prompts)]
+
+    reward_module.trl_style, reward_module.keyword_only = trl_style, keyword_only
+    sources, weights = load_reward_sources([], ["toy_mod:trl_style", "toy_mod:keyword_only", "toy_mod:columns"],
+                                           [1.0, 10.0, 100.0], None)
+    total, _ = compute_rewards(sources, weights, ["p", "pq"], ["abc", "d"], {"topic": ["cats", "dogs"]},
+                               completion_ids=[[5, 6], [7]])
+    # "abc": 3 + 10 * (2 ids + 1) + 100 * 1 = 133; "d": 1 + 10 * (1 + 2) + 0 = 31
+    assert total.tolist() == [133.0, 31.0]
+    assert seen["kwargs"] == ["completion_ids", "prompts", "topic"]
+
+
+def test_a_completion_no_source_scores_is_nan_not_zero(reward_module):
+    reward_module.nan_for_x = lambda completions, **kw: [math.nan if c.startswith("x") else 1.0 for c in completions]
+    sources, weights = load_reward_sources([], ["toy_mod:sometimes", "toy_mod:nan_for_x"], [1.0, 2.0], None)
+    total, per_source = compute_rewards(sources, weights, ["p"] * 3, ["ab", "xy", "xz"], {})
+    # "ab": 10 + 2; "xy" and "xz": None and NaN from every source -> unscorable
+    assert total[0].item() == 12.0 and total[1:].isnan().all()
+    assert per_source["nan_for_x"][1:].isnan().all()
+
+
+def test_inf_from_a_reward_function_is_named(reward_module):
+    reward_module.huge = lambda completions, **kw: [1.0, -math.inf]
+    sources, weights = load_reward_sources([], ["toy_mod:huge"], None, None)
+    with pytest.raises(UserError, match=r"reward function 'huge' returned -inf for completion 1 \('b'\); rewards must "
+                                        "be finite"):
+        compute_rewards(sources, weights, ["p", "p"], ["a", "b"], {})
+
+
 @pytest.mark.parametrize("spec,weights,message", [
     ("toy_mod:short", None, "returned 1 values for 2 completions"),
     ("toy_mod:broken", None, "reward function 'broken' raised ZeroDivisionError"),
@@ -56,7 +93,7 @@ def test_reward_model_reads_prompt_completion_eos_left_truncated(tiny_model, tok
     from common.models import load_reward_model
 
     torch.manual_seed(0)
-    model = load_reward_model(tiny_model, tokenizer).eval()
+    model = load_reward_model(tiny_model, tokenizer, new_head=True).eval()
     prompt, completion = "TITLE: a b c\n\nTL;DR:", " my dad ate my cake"
     ids = tokenizer(prompt).input_ids + tokenizer(completion).input_ids + [tokenizer.eos_token_id]
     with torch.no_grad():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from algos import dpo
 from common.generation import pad, shifted_logits
@@ -188,3 +188,34 @@ def test_tr_dpo_sync_with_alpha_one_makes_the_reference_the_policy(tmp_path, sft
         margins[bool(flag)] = [abs(row["rewards/chosen"]) + abs(row["rewards/rejected"]) for row in read_log(out)]
     # step 2 starts from the updated policy: its rewards are 0 only if the reference was replaced by it
     assert margins[True][1] == pytest.approx(0.0, abs=1e-6) and margins[False][1] > 1e-3
+
+
+def test_ipo_logs_beta_times_summed_log_ratios_as_every_loss_type(tmp_path, sft_model, tiny_model):
+    # one pair, repeated: the logged rewards of step 1 are those of this pair, before any update
+    row = {"prompt": "TITLE: post\n\nTL;DR:", "chosen": " good summary here", "rejected": " bad"}
+    data = tmp_path / "pair.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 4)
+    logged = {}
+    for loss_type in ("ipo", "sigmoid"):
+        out = str(tmp_path / loss_type)
+        dpo.main(dpo.Args(model_name_or_path=sft_model, ref_model_name_or_path=tiny_model, dataset_name=str(data),
+                          loss_type=loss_type, beta=0.5, max_steps=1, per_device_train_batch_size=2,
+                          dataset_test_split="", num_sample_generations=0, output_dir=out))
+        logged[loss_type] = read_log(out)[0]
+    # independent: beta x (summed completion logprob under the policy - under the reference), with HF
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    prompt = tokenizer(row["prompt"]).input_ids
+
+    def summed(path, completion):
+        ids = prompt + tokenizer(completion).input_ids + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(path)(input_ids=torch.tensor([ids])).logits[0, :-1]
+        return sum(torch.log_softmax(logits, -1)[t - 1, ids[t]].item() for t in range(len(prompt), len(ids)))
+
+    chosen = 0.5 * (summed(sft_model, row["chosen"]) - summed(tiny_model, row["chosen"]))
+    rejected = 0.5 * (summed(sft_model, row["rejected"]) - summed(tiny_model, row["rejected"]))
+    for loss_type in ("ipo", "sigmoid"):
+        assert logged[loss_type]["rewards/chosen"] == pytest.approx(chosen, abs=1e-4)
+        assert logged[loss_type]["rewards/rejected"] == pytest.approx(rejected, abs=1e-4)
+        assert logged[loss_type]["rewards/margins"] == pytest.approx(chosen - rejected, abs=1e-4)
+        assert logged[loss_type]["rewards/accuracies"] == float(chosen > rejected)

@@ -26,6 +26,18 @@ def test_group_advantages_hand_worked():
         [d / (batch_std + 1e-4) for d in (-0.5, 0.5, -1.5, 1.5)], rel=1e-6)
 
 
+def test_unscorable_completions_leave_their_group_hand_worked():
+    # G = 4, rewards [1, 2, None, 3]: the group is {1, 2, 3}, mean 2, sample std 1 -> [-1, 0, 0, 1]
+    # (counting None as 0 would give mean 1.5, std 1.29 -> [-0.39, 0.39, -1.16, 1.16])
+    rewards = torch.tensor([1.0, 2.0, math.nan, 3.0, 5.0, math.nan, math.nan, math.nan])
+    out = grpo.group_advantages(rewards, 4, "group")
+    assert out.tolist() == pytest.approx([-1 / (1 + 1e-4), 0.0, 0.0, 1 / (1 + 1e-4), 0.0, 0.0, 0.0, 0.0], abs=1e-7)
+    assert grpo.group_advantages(rewards, 4, "none").tolist() == [-1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    batch_std = statistics.stdev([1.0, 2.0, 3.0, 5.0])  # over the scored rewards of the batch
+    assert grpo.group_advantages(rewards, 4, "batch")[:4].tolist() == pytest.approx(
+        [-1 / (batch_std + 1e-4), 0.0, 0.0, 1 / (batch_std + 1e-4)], abs=1e-7)
+
+
 LOGPS = [[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]]
 OLD = [[-1.2, -0.4, -2.0], [-0.3, -0.9, -1.5]]
 REF = [[-1.1, -0.6, -1.0], [-0.2, -1.0, -0.7]]

@@ -24,6 +24,20 @@ def test_leave_one_out_baseline_matches_a_loop_over_prompts():
     assert rloo.rloo_advantages(rewards, k).tolist() == pytest.approx(expected, abs=1e-6)
 
 
+def test_unscorable_samples_are_in_no_baseline_and_get_zero():
+    nan = float("nan")
+    # k = 4: [1, 2, None, 3] -> each scored sample against the mean of its two scored siblings;
+    # [4, None, None, None]: no sibling to compare with -> 0
+    rewards = torch.tensor([1.0, 2.0, nan, 3.0, 4.0, nan, nan, nan])
+    expected = [1 - 2.5, 2 - 2.0, 0.0, 3 - 1.5, 0.0, 0.0, 0.0, 0.0]
+    assert rloo.rloo_advantages(rewards, 4).tolist() == pytest.approx(expected, abs=1e-6)
+    # token level, k = 3: sample 1 unscorable; samples 0 and 2 are each other's baseline
+    scores = torch.tensor([1.0, nan, 3.0])
+    kl, mask = torch.zeros(3, 2), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    advantages = rloo.token_level_advantages(scores, kl, mask, kl_coef=0.1, k=3)
+    assert torch.allclose(advantages, torch.tensor([[1 - 3.0, 1 - 3.0], [0.0, 0.0], [3 - 1.0, 3 - 1.0]]), atol=1e-6)
+
+
 def test_token_level_advantages_hand_worked():
     scores = torch.tensor([1.0, 3.0])
     kl = torch.tensor([[0.5, 1.0, 9.0], [0.0, 2.0, 1.0]])

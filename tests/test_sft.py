@@ -39,17 +39,31 @@ def test_prompt_tokens_contribute_exactly_zero():
     assert logits.grad[0, 4].abs().sum() == 0  # the last position predicts nothing
 
 
-def test_collate_masks_prompt_and_padding_but_keeps_eos(tokenizer):
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_collate_masks_prompt_and_padding_but_keeps_eos(tokenizer, pad_is_eos):
+    if pad_is_eos:  # as SmolLM2 / Qwen2.5 ship: padding and the real EOS share one id
+        tokenizer.pad_token = tokenizer.eos_token
     rows = [{"prompt": "TITLE: a\n\nTL;DR:", "completion": " my boss"},
             {"prompt": "TITLE: a longer title here\n\nTL;DR:", "completion": " x"}]
     examples, skipped = tokenize(rows, tokenizer, max_length=64)
     assert skipped == 0
     input_ids, attention_mask, loss_mask = collate(examples, tokenizer.pad_token_id)
+    assert (input_ids == tokenizer.pad_token_id).any()  # one row is padded
     for row, (ids, n_prompt) in enumerate(examples):
         assert loss_mask[row, :n_prompt].sum() == 0
         assert loss_mask[row, n_prompt:len(ids)].all()
-        assert input_ids[row, len(ids) - 1] == tokenizer.eos_token_id  # EOS is a target
+        assert input_ids[row, len(ids) - 1] == tokenizer.eos_token_id  # EOS is a target ...
+        assert loss_mask[row, len(ids) - 1] == 1  # ... even when it is also the pad id
         assert loss_mask[row, len(ids):].sum() == 0 and attention_mask[row, len(ids):].sum() == 0
+
+
+def test_messages_must_end_with_the_assistant(tokenizer):
+    from common.runtime import UserError
+
+    rows = [{"messages": [{"role": "user", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    with pytest.raises(UserError, match="row 0: its last message is the 'user''s, but SFT on `messages`"):
+        tokenize(rows, tokenizer, max_length=64)
 
 
 def test_too_long_prompts_are_skipped_and_long_completions_cut(tokenizer):
