@@ -75,3 +75,16 @@ def sft_model(tmp_path_factory, tiny_model):
                "--eval_steps", "4", "--num_sample_generations", "1", "--max_new_tokens", "8",
                "--gold_eval_split", "", "--output_dir", str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def rm_model(tmp_path_factory, sft_model):
+    """A one-label reward model made from the SFT model, its score head untrained (seeded): for tests
+    that need a reward model's plumbing, not its judgement. A causal LM is refused as a reward model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(sft_model, num_labels=1).save_pretrained(out)
+    AutoTokenizer.from_pretrained(sft_model).save_pretrained(out)
+    return str(out)

@@ -26,11 +26,11 @@ from tests.test_multiprocess import CASES
 STEPS = 6
 
 
-def argv(script, out, sft_model, *extra):
-    flags, _ = CASES[script]
+def argv(script, out, models, *extra):
+    (sft_model, rm_model), (flags, _) = models, CASES[script]
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
-        model += ["--reward_model_path", sft_model]
+        model += ["--reward_model_path", rm_model]
     quiet = ["--dataset_test_split", ""] if script in ("sft", "reward") else []  # no evaluation passes
     quiet += [] if script == "reward" else ["--gold_eval_split", ""]
     return [f"algos/{script}.py", "--max_steps", str(STEPS), "--logging_steps", "1", "--run_name", "r", *quiet,
@@ -48,14 +48,15 @@ def weights(out):
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=() if s == "sft" else pytest.mark.resume) for s in CASES])
-def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, script):
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm_model, script):
+    models = (sft_model, rm_model)
     full, again, cut = tmp_path / "full", tmp_path / "again", tmp_path / "cut"
-    run_script(*argv(script, full, sft_model))
-    run_script(*argv(script, again, sft_model))
+    run_script(*argv(script, full, models))
+    run_script(*argv(script, again, models))
     assert records(again) == records(full)  # determinism: same seed, same command, same metrics
     assert len([r for r in records(full) if "lr" in r]) == STEPS
 
-    proc = subprocess.Popen([sys.executable, *argv(script, cut, sft_model)], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, *argv(script, cut, models)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     log, deadline = cut / "logs" / "r.jsonl", time.time() + 300
     while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
@@ -69,15 +70,15 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, sc
     assert 1 <= stopped_at < STEPS and line.endswith("continue with --resume_from_checkpoint latest")
     assert os.listdir(cut / "checkpoints") == [f"step_{stopped_at}"] and not (cut / "config.json").exists()
 
-    resumed = run_script(*argv(script, cut, sft_model, "--resume_from_checkpoint", "latest"))
+    resumed = run_script(*argv(script, cut, models, "--resume_from_checkpoint", "latest"))
     assert f"resumed from {cut / 'checkpoints' / f'step_{stopped_at}'} at step {stopped_at}" in resumed.stdout
     a, b = weights(full), weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
     assert records(cut) == records(full)
     if script == "grpo":  # num_iterations 2: a checkpoint after step 1 holds the half-used generation batch
         mid = tmp_path / "mid"
-        run_script(*argv(script, mid, sft_model, "--save_steps", "1", "--save_total_limit", "9"))
-        run_script(*argv(script, mid, sft_model, "--resume_from_checkpoint", str(mid / "checkpoints" / "step_1"),
+        run_script(*argv(script, mid, models, "--save_steps", "1", "--save_total_limit", "9"))
+        run_script(*argv(script, mid, models, "--resume_from_checkpoint", str(mid / "checkpoints" / "step_1"),
                          "--overwrite_output_dir"))
         b = weights(mid)
         assert all(torch.equal(a[k], b[k]) for k in a) and records(mid) == records(full)

@@ -80,7 +80,7 @@ def test_pair_logprobs_known_values_prompt_excluded():
     # pair 1: prompt [0, 1], chosen [2, 3], rejected [1]; pair 2: prompt [3], chosen [0], rejected [2, 2, 1]
     examples = [([0, 1], [2, 3], [1]), ([3], [0], [2, 2, 1])]
     batch = dpo.collate(examples, pad_id=3)
-    chosen, rejected, chosen_counts, _ = dpo.forward_pairs(FixedLogits(TABLE), batch, mean_logps=False)
+    chosen, rejected, (chosen_counts, _), _ = dpo.forward_pairs(FixedLogits(TABLE), batch, mean_logps=False)
     p = TABLE.exp()
     # each completion token is scored given the token before it (the last prompt token for the first)
     expected_c = [math.log(p[1, 2] * p[2, 3]), math.log(p[3, 0])]

@@ -20,19 +20,23 @@ SCRIPTS = {
                 *NO_GOLD],
     "rloo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
     "online_dpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
-    "ppo.py": ["--reward_model_path", "tiny-pythia", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
+    "ppo.py": ["--reward_model_path", "<rm>", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
 }
 LOSS_KEY = {"rloo.py": "loss/policy_avg", "ppo.py": "loss/value_avg"}
+
+
+def flags(script, rm_model):
+    return [rm_model if a == "<rm>" else a for a in SCRIPTS[script]]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_script_trains_on_cuda(tmp_path, sft_model, script, mixed_precision):
+def test_script_trains_on_cuda(tmp_path, sft_model, rm_model, script, mixed_precision):
     out = str(tmp_path / "out")
     launcher = ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", mixed_precision]
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3",
-                      "--output_dir", out, *SCRIPTS[script], launcher=launcher)
+                      "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
 
@@ -40,12 +44,12 @@ def test_script_trains_on_cuda(tmp_path, sft_model, script, mixed_precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
 @pytest.mark.parametrize("script", ["dpo.py", "grpo.py", "ppo.py"])
-def test_script_trains_under_deepspeed(tmp_path, sft_model, script, config):
+def test_script_trains_under_deepspeed(tmp_path, sft_model, rm_model, script, config):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "out")
     launcher = ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1"]
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--logging_steps", "1",
-                      "--output_dir", out, *SCRIPTS[script], launcher=launcher)
+                      "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
     print(config, script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log], proc.stdout.strip().splitlines()[-1])
@@ -54,9 +58,9 @@ def test_script_trains_under_deepspeed(tmp_path, sft_model, script, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
-def test_lora_with_gradient_checkpointing_and_bf16_on_cuda(tmp_path, sft_model, script):
+def test_lora_with_gradient_checkpointing_and_bf16_on_cuda(tmp_path, sft_model, rm_model, script):
     out = str(tmp_path / "out")
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--use_peft",
-                      "--gradient_checkpointing", "--bf16", "--output_dir", out, *SCRIPTS[script])
+                      "--gradient_checkpointing", "--bf16", "--output_dir", out, *flags(script, rm_model))
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]

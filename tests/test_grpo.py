@@ -133,14 +133,14 @@ def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):
             "clip_ratio/high_mean", "clip_ratio/region_mean", "lr", "episode", "eps"} <= set(log[0])
 
 
-def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_model):
+def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "grpo")
-    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", sft_model,
+    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
                "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "24",
                "--per_device_train_batch_size", "32", "--num_generations", "4", "--learning_rate", "2e-3",
                "--max_completion_length", "16", "--num_iterations", "2", "--gold_eval_split", "", "--output_dir", out)
     log = read_log(out)
-    assert {k for k in log[0] if k.startswith("rewards/")} == {f"rewards/{os.path.basename(sft_model)}/mean",
+    assert {k for k in log[0] if k.startswith("rewards/")} == {f"rewards/{os.path.basename(rm_model)}/mean",
                                                                "rewards/short/mean"}
     first, last = [statistics.mean(r["reward"] for r in rows) for rows in (log[:3], log[-3:])]
     assert last > first + 1.0, (first, last)  # at least one word shorter on average

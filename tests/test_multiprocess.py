@@ -34,11 +34,11 @@ CASES = {  # script: (flags, logged losses to compare); per-device batch sizes f
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("script", list(CASES))
-def test_two_processes_match_one_process(tmp_path, sft_model, script):
+def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
     flags, keys = CASES[script]
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
-        model += ["--reward_model_path", sft_model]
+        model += ["--reward_model_path", rm_model]
     quiet = ["--logging_steps", "1"] + ([] if script == "reward" else ["--gold_eval_split", ""])
     common = [f"algos/{script}.py", "--max_steps", "2", *quiet, *model, *flags]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

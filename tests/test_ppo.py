@@ -69,10 +69,10 @@ def test_reward_shaping_puts_the_score_on_the_last_real_token():
     assert k3[0].tolist() == pytest.approx([math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1, 0.0], rel=1e-5)
 
 
-def test_ppo_learns_a_toy_reward(tmp_path, sft_model):
+def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "ppo")
     # the reward model (here the SFT model with a fresh head) is weighted 0: the toy reward decides
-    run_script("algos/ppo.py", "--model_name_or_path", sft_model, "--reward_model_path", sft_model,
+    run_script("algos/ppo.py", "--model_name_or_path", sft_model, "--reward_model_path", rm_model,
                "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "16",
                "--per_device_train_batch_size", "16", "--num_ppo_epochs", "2", "--learning_rate", "2e-3",
                "--response_length", "16", "--temperature", "1.0", "--missing_eos_penalty", "1.0",

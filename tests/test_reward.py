@@ -32,8 +32,9 @@ def test_pairs_batch_chosen_then_rejected(tokenizer):
     assert skipped == 1  # chosen == rejected carries no signal
     input_ids, attention_mask, margin = collate(examples, tokenizer.pad_token_id)
     assert input_ids.shape[0] == 2 and margin.tolist() == [2.0]
-    chosen_len = attention_mask[0].sum()
-    assert input_ids[0, chosen_len - 1] == tokenizer.eos_token_id  # the classifier reads the EOS
+    # left-padded: every row's last position is its EOS, where the score is read
+    assert (input_ids[:, -1] == tokenizer.eos_token_id).all() and attention_mask[:, -1].all()
+    assert attention_mask[0, 0] == 0  # the shorter chosen row is padded at the start
     assert tokenizer.decode(input_ids[1][attention_mask[1].bool()], skip_special_tokens=True).endswith(" bad one")
 
 

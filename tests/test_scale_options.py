@@ -31,12 +31,12 @@ def test_lora_dpo_reference_is_the_base_model_and_adapters_load_with_peft(tmp_pa
 
 
 @pytest.mark.parametrize("script", ["reward", "grpo", "ppo"])
-def test_lora_runs_and_saves_adapters(tmp_path, sft_model, script):
+def test_lora_runs_and_saves_adapters(tmp_path, sft_model, rm_model, script):
     out = str(tmp_path / script)
     flags = {"reward": ["--per_device_train_batch_size", "4", "--dataset_test_split", ""],
              "grpo": ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
                       "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--gold_eval_split", ""],
-             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8", "--reward_model_path", sft_model,
+             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8", "--reward_model_path", rm_model,
                      "--gold_eval_split", ""]}[script]
     run_script(f"algos/{script}.py", "--model_name_or_path", sft_model, *LORA, "--max_steps", "2", *flags,
                "--output_dir", out)

@@ -67,10 +67,10 @@ def test_model_calls_inside_generate_and_backward_are_not_forward(tiny_model):
     assert GenerationMixin.generate is original  # uninstalled
 
 
-def test_benchmark_two_scripts(tmp_path, sft_model):
+def test_benchmark_two_scripts(tmp_path, sft_model, rm_model):
     out = tmp_path / "throughput.json"
     report = throughput.main(throughput.Args(algos=["sft", "grpo"], warmup_steps=1, steps=2, sft_model_path=sft_model,
-                                             reward_model_path=sft_model, output_json=str(out), markdown=True))
+                                             reward_model_path=rm_model, output_json=str(out), markdown=True))
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     for key in ("date", "device", "torch_threads", "definitions", "args"):
         assert key in report
