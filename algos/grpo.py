@@ -307,7 +307,7 @@ def main(args: Args):
 
     def completion_logps(policy, input_ids, attention_mask, prompt_width):
         """Per-token logprobs (at the sampling temperature) and entropies of the completion part."""
-        logits = shifted_logits(policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
         logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
         with torch.no_grad():
             dist = torch.log_softmax(logits.float() / args.temperature, dim=-1)

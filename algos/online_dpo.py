@@ -258,7 +258,7 @@ def main(args: Args):
 
     def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, prompt_width):
         """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
-        logits = shifted_logits(policy, input_ids, attention_mask)[:, prompt_width - 1:]
+        logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
         return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
 
     batches = prompt_batches()

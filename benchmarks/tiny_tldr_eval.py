@@ -49,7 +49,7 @@ def sequence_kl(policy, ref, prompt_ids, prompt_mask, completion_ids, completion
         mask = torch.cat([prompt_mask[i:i + batch_size], completion_mask[i:i + batch_size]], 1)
         labels = completion_ids[i:i + batch_size]
         with torch.no_grad():
-            logps, ref_logps = (token_logprobs(shifted_logits(m, ids, mask)[:, width - 1:], labels) for m in (policy, ref))
+            logps, ref_logps = (token_logprobs(shifted_logits(m, ids, mask, width - 1), labels) for m in (policy, ref))
         kls.append(((logps - ref_logps) * completion_mask[i:i + batch_size]).sum(1))
     return torch.cat(kls)
 

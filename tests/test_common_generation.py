@@ -83,13 +83,13 @@ def test_seeded_sampler_draws_from_the_warped_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     n, temperature = 4000, 0.7
     scores = logits.repeat(n, 1)
-    picks = SeededSampler(list(range(n)), "cpu", temperature, 0, 1.0, 0.0)(None, scores).argmax(-1)
+    picks = SeededSampler(list(range(n)), "cpu", temperature, 0, 1.0, 0.0, 1)(None, scores).argmax(-1)
     expected = [math.exp(x / temperature) for x in logits.tolist()]
     expected = [e / sum(expected) for e in expected]
     observed = torch.bincount(picks, minlength=4).float() / n
     assert all(abs(o - e) < 0.03 for o, e in zip(observed.tolist(), expected)), (observed, expected)
     # top-k 2 leaves only the two largest logits
-    picks = SeededSampler(list(range(n)), "cpu", 1.0, 2, 1.0, 0.0)(None, scores).argmax(-1)
+    picks = SeededSampler(list(range(n)), "cpu", 1.0, 2, 1.0, 0.0, 1)(None, scores).argmax(-1)
     assert set(picks.tolist()) == {0, 1}
 
 

@@ -73,7 +73,7 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "ppo")
     # the reward model (here the SFT model with a fresh head) is weighted 0: the toy reward decides
     run_script("algos/ppo.py", "--model_name_or_path", sft_model, "--reward_model_path", rm_model,
-               "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "16",
+               "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "24",
                "--per_device_train_batch_size", "16", "--num_ppo_epochs", "2", "--learning_rate", "2e-3",
                "--response_length", "16", "--temperature", "1.0", "--missing_eos_penalty", "1.0",
                "--gold_eval_split", "", "--output_dir", out)
@@ -83,5 +83,5 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
              "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr",
              "episode", "eps"}
     assert names <= set(log[0]) and log[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
-    first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:2], log[-2:])]
+    first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:4], log[-4:])]
     assert last > first + 1.0, (first, last)
