@@ -387,6 +387,11 @@ def table(rows: dict, markdown: bool) -> str:
                      + [f"{100 * s[k]:.1f}%" for k in ("forward", "backward", "generate")]
                      + [f"({100 * r['generate_model_share']:.1f}%)"]
                      + [f"{100 * s[k]:.1f}%" for k in ("optimizer", "other")])
+    return format_table(head, lines, markdown)
+
+
+def format_table(head: list[str], lines: list[list[str]], markdown: bool) -> str:
+    """Rows of cells as a markdown table, or as aligned text (the first two columns flush left)."""
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                          + ["| " + " | ".join(line) + " |" for line in lines])
