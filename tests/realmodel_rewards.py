@@ -7,7 +7,8 @@ def short_reply(completions, **kwargs):
     is an error here, so the test also checks that grpo.py keeps that contract."""
     rewards = []
     for c in completions:
-        if not (isinstance(c, list) and c and c[-1].get("role") == "assistant" and isinstance(c[-1].get("content"), str)):
+        reply = c[-1] if isinstance(c, list) and c and isinstance(c[-1], dict) else {}
+        if reply.get("role") != "assistant" or not isinstance(reply.get("content"), str):
             raise TypeError(f"expected a list of messages ending in the assistant's reply, got {str(c)[:80]!r}")
-        rewards.append(-float(len(c[-1]["content"])))
+        rewards.append(-float(len(reply["content"])))
     return rewards

@@ -25,6 +25,13 @@ QUESTIONS = [("What is 2 + 3?", "5"), ("Name a primary color.", "Red."), ("What 
              ("Is ice cold?", "Yes."), ("How many legs does a dog have?", "Four.")]
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The scripts run with one torch thread: on the 2-core CI machine, shared with other jobs, two
+    threads waiting on each other made this file take 4.4 minutes instead of 1."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2(request, tmp_path_factory):
     from transformers import AutoTokenizer
@@ -32,9 +39,9 @@ def smollm2(request, tmp_path_factory):
     from benchmarks import smollm2
 
     cache = os.environ.get("SMOLLM2_CACHE")
-    if not cache:
-        cache = str(request.config.cache.mkdir("smollm2")) if request.config.cache else str(tmp_path_factory.mktemp("smollm2"))
-    path = smollm2.build(cache)
+    if not cache:  # pytest's cache (.pytest_cache/d/smollm2) survives the session; a tmp dir if it is off
+        cache = request.config.cache.mkdir("smollm2") if request.config.cache else tmp_path_factory.mktemp("smollm2")
+    path = smollm2.build(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
@@ -48,7 +55,8 @@ def chat_data(tmp_path_factory):
     user = lambda q: [{"role": "user", "content": q}]  # noqa: E731
     reply = lambda a: [{"role": "assistant", "content": a}]  # noqa: E731
     rows = {"sft": [{"messages": user(q) + reply(a)} for q, a in QUESTIONS],
-            "dpo": [{"prompt": user(q), "chosen": reply(a), "rejected": reply("I don't know, sorry.")} for q, a in QUESTIONS],
+            "dpo": [{"prompt": user(q), "chosen": reply(a), "rejected": reply("I don't know, sorry.")}
+                    for q, a in QUESTIONS],
             "grpo": [{"prompt": user(q)} for q, _ in QUESTIONS]}
     for name, data in rows.items():
         os.makedirs(root / name)
