@@ -7,6 +7,8 @@ the reward relative to the group as the advantage of every token:
     loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
+A completion no reward source scores (reward None / NaN) is left out of its group's mean and std,
+gets A_i = 0 and stays out of the loss: an unknown reward is not a reward of 0.
 Variants: clip-higher eps_high and token-level normalisation over the whole batch (DAPO, Yu et al.
 2025); no std scaling and a constant normaliser (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-
 Like Training"); a sequence-level ratio, the geometric mean of the token ratios (GSPO, Zheng et al.
