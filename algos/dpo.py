@@ -291,7 +291,11 @@ def collate(examples, pad_id: int):
 def forward_pairs(model, batch, mean_logps: bool):
     """(chosen logps, rejected logps, (chosen, rejected) token counts, mean logits of chosen / rejected completions)."""
     input_ids, attention_mask, completion_mask = batch
-    logits = shifted_logits(model, input_ids, attention_mask)
+    # logits from the column before the earliest completion token on; a pair's chosen and rejected
+    # rows share the prompt before it, so shifted_logits runs that part once per pair
+    start = max(int(completion_mask.argmax(1).min()) - 1, 0)
+    input_ids, completion_mask = input_ids[:, start:], completion_mask[:, start:]
+    logits = shifted_logits(model, batch[0], attention_mask, start)
     logps, counts = sequence_logps(logits, input_ids, completion_mask)
     mask = completion_mask[:, 1:]
     mean_logits = ((logits.detach().float().mean(-1) * mask).sum(-1) / counts).chunk(2)

@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -450,6 +451,9 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
                 clock, readings = os.path.join(work, script, f"trl-{run}.clock.jsonl"), per
                 spec.update(config={**config, "output_dir": out}, clock=clock)
             print(f"{script}: run {run + 1}/{args.runs}, {side}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)  # a reused --work_dir: our log would append to the old run's
+            if os.path.exists(clock):
+                os.remove(clock)
             rss = spawn(spec, os.path.join(work, script, f"{side}-{run}.spec.json"), args.timeout)
             times = step_times(clock)
             runs[side].append({"seconds_per_update": seconds_per_update(times, per, readings), "peak_rss_mib": rss,

@@ -80,7 +80,10 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
         sampler = ([SeededSampler(seeds[i:i + batch_size], device, temperature, top_k, top_p, min_p, max_new_tokens)]
                    if temperature > 0 else [])
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler)
+        # the samples of one prompt share its prefill: generate continues from the prompt's cache
+        cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
+                             **({"past_key_values": cache} if cache is not None else {}))
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
                             value=tokenizer.pad_token_id))
     model.train(was_training)
@@ -114,7 +117,36 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0) -> torch.Te
     """Logits at positions start..T-2, aligned with the tokens they predict, `input_ids[:, start + 1:]`
     (start = prompt width - 1: the completion's). Only those positions go through the LM head
     (`logits_to_keep`), which saves its [B, T, V] output for the prompt. Positions count real tokens
-    only, so left padding (as in generation) gives the same values as right."""
+    only, so left padding (as in generation) gives the same values as right.
+
+    Rows whose first `start` tokens are the same (the num_generations samples of one prompt, the
+    chosen and rejected of one pair) share them: a causal model's states there depend on nothing
+    after, so those tokens go through the model once per distinct prefix, and the rest of every row
+    continues from that prefix's key/value cache (gradients flow back through it)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = shared_prefix_cache(model, input_ids, attention_mask, start)
+    if cache is not None:
+        return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
+                     past_key_values=cache, use_cache=True).logits[:, :-1]
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                  logits_to_keep=input_ids.shape[1] - start).logits[:, :-1]
+
+
+def shared_prefix_cache(model, input_ids, attention_mask, length: int):
+    """The key/value cache of the first `length` tokens, one row per input row, computed once per
+    distinct prefix (a causal model's states there depend on nothing after them). None when length
+    is 0 or the model gives no cache (gradient checkpointing turns it off): the caller then runs the
+    full rows. The prefix pass runs even when no two rows share one, so that every process makes the
+    same number of model calls whatever its data (DDP and ZeRO-3 communicate inside each call)."""
+    if length <= 0:
+        return None
+    prefixes, owner = torch.unique(torch.cat([input_ids[:, :length], attention_mask[:, :length]], 1), dim=0,
+                                   return_inverse=True)
+    # a row holding each prefix (any of them: their prefixes are equal)
+    first = owner.new_zeros(len(prefixes)).scatter_(0, owner, torch.arange(len(owner), device=owner.device))
+    ids, mask = input_ids[first, :length], attention_mask[first, :length]
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                  logits_to_keep=1).past_key_values
+    if cache is not None:
+        cache.batch_select_indices(owner)
+    return cache

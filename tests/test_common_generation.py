@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 import torch
 
 from common.generation import generate, pad, shifted_logits, token_logprobs, truncate_at_stop
@@ -59,6 +61,42 @@ def test_left_and_right_padding_give_the_same_logprobs(tiny_model, tokenizer):
         logps = token_logprobs(shifted_logits(model, ids, mask), ids[:, 1:]) * completion_mask[:, 1:]
         results.append(logps.sum(1))
     assert torch.allclose(results[0], results[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rows_sharing_a_prefix_give_each_rows_own_logprobs_and_gradients(tiny_model, tokenizer, side):
+    """shifted_logits runs a prefix shared by several rows once and continues each row from its
+    cache: every row's completion logprobs must equal that row's own forward without padding or
+    neighbours, and the gradient that of the plain forward over the padded batch."""
+    torch.manual_seed(0)
+    model = load_policy(tiny_model, tokenizer).train()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 6, 7, 8, 9, 10]]  # rows 0 and 2 hold the same prompt
+    completions = [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29]]
+    owners = [0, 0, 1, 2]  # prompt of each row: rows 0, 1 share prompt 0; row 3's prompt equals it too
+    seqs = [prompts[o] + c for o, c in zip(owners, completions)]
+    if side == "left":  # generation's layout: left-padded prompts, completions from one column on
+        width = max(len(p) for p in prompts)
+        p_ids, p_mask = pad([prompts[o] for o in owners], tokenizer.pad_token_id, "left")
+        c_ids, c_mask = pad(completions, tokenizer.pad_token_id, "right")
+        ids, mask, start = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), width - 1
+        labels_mask = torch.cat([torch.zeros_like(p_mask), c_mask], 1)
+    else:  # dpo's layout: right-padded rows, logits from the column before the shortest prompt's end
+        ids, mask = pad(seqs, tokenizer.pad_token_id, "right")
+        lens = torch.tensor([len(prompts[o]) for o in owners])
+        labels_mask = (torch.arange(ids.shape[1])[None, :] >= lens[:, None]).long() * mask
+        start = int(lens.min()) - 1
+    shared = token_logprobs(shifted_logits(model, ids, mask, start), ids[:, start + 1:]) * labels_mask[:, start + 1:]
+    for row, (o, c) in enumerate(zip(owners, completions)):
+        alone = torch.tensor([prompts[o] + c])
+        own = torch.log_softmax(model(input_ids=alone).logits[0, len(prompts[o]) - 1:-1], -1)
+        expected = own.gather(-1, torch.tensor(c)[:, None]).sum()
+        assert torch.allclose(shared[row].sum(), expected, atol=1e-5), row
+    grads = torch.autograd.grad(shared.sum(), list(model.parameters()))
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    plain = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, :-1]
+    plain = token_logprobs(plain, ids[:, 1:]) * labels_mask[:, 1:]
+    for g, h in zip(grads, torch.autograd.grad(plain.sum(), list(model.parameters()))):
+        assert torch.allclose(g, h, atol=1e-5, rtol=1e-4)
 
 
 def test_generate_returns_masked_completions(tiny_model, tokenizer):
