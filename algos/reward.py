@@ -152,30 +152,37 @@ def reward_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, ma
 
 
 def tokenize(dataset, tokenizer, max_length: int):
-    """Rows -> (chosen ids, rejected ids, margin); pairs longer than `max_length` are dropped and
-    counted, and so are pairs whose chosen and rejected are the same (they carry no signal)."""
+    """Rows -> (prompt ids, chosen ids, rejected ids, margin); pairs longer than `max_length` are
+    dropped and counted, and so are pairs whose chosen and rejected are the same (they carry no signal)."""
     examples, skipped = [], 0
     for row in dataset:
         prompt_ids = encode_prompt(tokenizer, row["prompt"])
-        chosen = prompt_ids + encode_completion(tokenizer, row["prompt"], row["chosen"])
-        rejected = prompt_ids + encode_completion(tokenizer, row["prompt"], row["rejected"])
-        if max(len(chosen), len(rejected)) > max_length or chosen == rejected:
+        chosen = encode_completion(tokenizer, row["prompt"], row["chosen"])
+        rejected = encode_completion(tokenizer, row["prompt"], row["rejected"])
+        if len(prompt_ids) + max(len(chosen), len(rejected)) > max_length or chosen == rejected:
             skipped += 1
             continue
-        examples.append((chosen, rejected, float(row.get("margin") or 0.0)))
+        examples.append((prompt_ids, chosen, rejected, float(row.get("margin") or 0.0)))
     return examples, skipped
 
 
 def collate(examples, pad_id: int):
-    """Chosen then rejected in one left-padded batch of 2B rows (one forward pass for both), so that
-    each row's last real token, its EOS, is the last position, where `last_token_scores` reads."""
-    input_ids, attention_mask = pad([c for c, _, _ in examples] + [r for _, r, _ in examples], pad_id, side="left")
-    return input_ids, attention_mask, torch.tensor([m for _, _, m in examples])
+    """Chosen then rejected in one batch of 2B rows (one forward pass for both): the prompts
+    left-padded to one width, then the completions left-padded to another, so that each row's last
+    real token, its EOS, is the last position, where `last_token_scores` reads, and a pair's two rows
+    hold the same prompt block, which `last_token_scores` runs once for both.
+    Returns (input_ids, attention_mask, margins, prompt block width)."""
+    p_ids, p_mask = pad([p for p, _, _, _ in examples] * 2, pad_id, side="left")
+    c_ids, c_mask = pad([c for _, c, _, _ in examples] + [r for _, _, r, _ in examples], pad_id, side="left")
+    return (torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
+            torch.tensor([m for _, _, _, m in examples]), p_ids.shape[1])
 
 
-def rewards_of(model, input_ids, attention_mask):
-    """(chosen rewards, rejected rewards) of a batch from `collate`."""
-    return last_token_scores(model, input_ids, attention_mask).chunk(2)
+def rewards_of(model, batch, device):
+    """(chosen rewards, rejected rewards, margins) of a batch from `collate`."""
+    input_ids, attention_mask, margin, width = batch
+    chosen, rejected = last_token_scores(model, input_ids.to(device), attention_mask.to(device), width).chunk(2)
+    return chosen, rejected, margin.to(device)
 
 
 @torch.no_grad()
@@ -185,9 +192,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     sums = torch.zeros(5, device=accelerator.device)  # correct, loss, chosen, rejected, count
     shard = eval_examples[accelerator.process_index::accelerator.num_processes]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
-        input_ids, attention_mask, margin = (t.to(accelerator.device) for t in collate(
-            shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id))
-        chosen, rejected = rewards_of(model, input_ids, attention_mask)
+        chosen, rejected, margin = rewards_of(model, collate(shard[i:i + args.per_device_eval_batch_size],
+                                                            tokenizer.pad_token_id), accelerator.device)
         n = len(chosen)
         sums += torch.stack([(chosen > rejected).float().sum(), reward_loss(chosen, rejected, margin) * n,
                              chosen.sum(), rejected.sum(), torch.tensor(float(n), device=chosen.device)])
@@ -202,12 +208,11 @@ def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerato
     if not accelerator.is_main_process or args.num_sample_pairs <= 0:
         return
     examples = eval_examples[:args.num_sample_pairs]
-    input_ids, attention_mask, _ = (t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
     with torch.no_grad():
-        chosen, rejected = rewards_of(model, input_ids, attention_mask)
+        chosen, rejected, _ = rewards_of(model, collate(examples, tokenizer.pad_token_id), accelerator.device)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    tracker.log_samples([{"chosen": decode(c), "rejected": decode(r)[-120:], "r_chosen": a, "r_rejected": b}
-                         for (c, r, _), a, b in zip(examples, chosen.tolist(), rejected.tolist())], step)
+    tracker.log_samples([{"chosen": decode(p + c), "rejected": decode(p + r)[-120:], "r_chosen": a, "r_rejected": b}
+                         for (p, c, r, _), a, b in zip(examples, chosen.tolist(), rejected.tolist())], step)
 
 
 def main(args: Args):
@@ -275,9 +280,9 @@ def main(args: Args):
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         stats = torch.zeros(4, device=accelerator.device)  # loss, accuracy, chosen, rejected
         for _ in range(args.gradient_accumulation_steps):
-            input_ids, attention_mask, margin = (t.to(accelerator.device) for t in next(batches))
+            batch = next(batches)
             with accelerator.accumulate(model):
-                chosen, rejected = rewards_of(model, input_ids, attention_mask)
+                chosen, rejected, margin = rewards_of(model, batch, accelerator.device)
                 loss = reward_loss(chosen, rejected, margin, args.center_rewards_coefficient)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:

@@ -81,7 +81,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         sampler = ([SeededSampler(seeds[i:i + batch_size], device, temperature, top_k, top_p, min_p, max_new_tokens)]
                    if temperature > 0 else [])
         # the samples of one prompt share its prefill: generate continues from the prompt's cache
-        cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1)
+        cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1, logits_to_keep=1)
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
                              **({"past_key_values": cache} if cache is not None else {}))
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
@@ -124,7 +124,7 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0) -> torch.Te
     after, so those tokens go through the model once per distinct prefix, and the rest of every row
     continues from that prefix's key/value cache (gradients flow back through it)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = shared_prefix_cache(model, input_ids, attention_mask, start)
+    cache = shared_prefix_cache(model, input_ids, attention_mask, start, logits_to_keep=1)
     if cache is not None:
         return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
                      past_key_values=cache, use_cache=True).logits[:, :-1]
@@ -132,7 +132,7 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0) -> torch.Te
                  logits_to_keep=input_ids.shape[1] - start).logits[:, :-1]
 
 
-def shared_prefix_cache(model, input_ids, attention_mask, length: int):
+def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs):
     """The key/value cache of the first `length` tokens, one row per input row, computed once per
     distinct prefix (a causal model's states there depend on nothing after them). None when length
     is 0 or the model gives no cache (gradient checkpointing turns it off): the caller then runs the
@@ -146,7 +146,7 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int):
     first = owner.new_zeros(len(prefixes)).scatter_(0, owner, torch.arange(len(owner), device=owner.device))
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
     cache = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                  logits_to_keep=1).past_key_values
+                  **kwargs).past_key_values  # kwargs: logits_to_keep=1 for a causal LM
     if cache is not None:
         cache.batch_select_indices(owner)
     return cache

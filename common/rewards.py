@@ -16,7 +16,7 @@ import sys
 import torch
 
 from common.data import encode_completion, encode_prompt
-from common.generation import pad
+from common.generation import pad, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
@@ -70,17 +70,23 @@ def import_judge(spec: str):
     return checked
 
 
-def last_token_scores(model, input_ids, attention_mask) -> torch.Tensor:
+def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
     """A one-output classifier's score of each LEFT-padded row, read at its last real token, [B].
 
     HF's classifiers read the last token that is not `pad_token_id`: with pad == eos that is the
     token before the completion's EOS, not the EOS. Shown a pad id that never occurs, they read the
     last position instead, which left padding makes every row's last real token; positions count
-    real tokens only, so a row scores as it would unpadded."""
+    real tokens only, so a row scores as it would unpadded (padding may also sit between a
+    left-padded prompt block and the completion block). prefix: the width of such a prompt block;
+    rows holding the same one (a pair's chosen and rejected) run it once (`shared_prefix_cache`)."""
     config = getattr(model, "module", model).config  # under DDP / DeepSpeed: the wrapped model's
     pad_id, config.pad_token_id = config.pad_token_id, -1
     try:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = shared_prefix_cache(model, input_ids, attention_mask, prefix)
+        if cache is not None:
+            return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
+                         position_ids=position_ids[:, prefix:], use_cache=True).logits[:, 0].float()
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
     finally:
         config.pad_token_id = pad_id
@@ -90,13 +96,18 @@ def last_token_scores(model, input_ids, attention_mask) -> torch.Tensor:
 def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 64) -> torch.Tensor:
     """The reward model's scalar for each (prompt, completion), in its own tokens."""
     max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", None) or 10**9)
-    seqs = [(encode_prompt(tokenizer, p) + encode_completion(tokenizer, p, c))[-max_length:]
-            for p, c in zip(prompts, completions)]
+    pairs = []  # (prompt, completion) tokens, the prompt cut from the left to fit max_length
+    for p, c in zip(prompts, completions):
+        completion = encode_completion(tokenizer, p, c)[-max_length:]
+        prompt = encode_prompt(tokenizer, p)
+        pairs.append((prompt[max(0, len(prompt) + len(completion) - max_length):], completion))
     device = next(model.parameters()).device
     scores = []
-    for i in range(0, len(seqs), batch_size):
-        ids, mask = pad(seqs[i:i + batch_size], tokenizer.pad_token_id, side="left")
-        scores.append(last_token_scores(model, ids.to(device), mask.to(device)).cpu())
+    for i in range(0, len(pairs), batch_size):  # a prompt block, then a completion block, each left-padded
+        p_ids, p_mask = pad([p for p, _ in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
+        c_ids, c_mask = pad([c for _, c in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
+        ids, mask = torch.cat([p_ids, c_ids], 1).to(device), torch.cat([p_mask, c_mask], 1).to(device)
+        scores.append(last_token_scores(model, ids, mask, p_ids.shape[1]).cpu())
     return torch.cat(scores)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from algos.reward import collate, reward_loss, tokenize
+from algos.reward import collate, reward_loss, rewards_of, tokenize
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
@@ -30,12 +30,29 @@ def test_pairs_batch_chosen_then_rejected(tokenizer):
             {"prompt": "TITLE: b\n\nTL;DR:", "chosen": " same", "rejected": " same"}]
     examples, skipped = tokenize(rows, tokenizer, max_length=64)
     assert skipped == 1  # chosen == rejected carries no signal
-    input_ids, attention_mask, margin = collate(examples, tokenizer.pad_token_id)
+    input_ids, attention_mask, margin, width = collate(examples, tokenizer.pad_token_id)
     assert input_ids.shape[0] == 2 and margin.tolist() == [2.0]
     # left-padded: every row's last position is its EOS, where the score is read
     assert (input_ids[:, -1] == tokenizer.eos_token_id).all() and attention_mask[:, -1].all()
-    assert attention_mask[0, 0] == 0  # the shorter chosen row is padded at the start
+    # the pair's rows hold the same prompt block, then their completions, the shorter padded at its start
+    assert torch.equal(input_ids[0, :width], input_ids[1, :width]) and attention_mask[0, width] == 0
     assert tokenizer.decode(input_ids[1][attention_mask[1].bool()], skip_special_tokens=True).endswith(" bad one")
+
+
+def test_pair_scores_equal_each_row_scored_alone(tokenizer, rm_model):
+    """The prompt block runs once per pair (shared cache): each score must still be the one the
+    classifier gives the row alone, unpadded."""
+    rows = [{"prompt": f"TITLE: {t}\n\nPOST: {p}\n\nTL;DR:", "chosen": c, "rejected": r}
+            for t, p, c, r in [("a", "my cat ate my cake", " cat ate cake", " cake"),
+                               ("bb", "we went to the park", " park trip with friends today", " we"),
+                               ("c", "x", " y", " z z")]]
+    examples, _ = tokenize(rows, tokenizer, max_length=128)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_model).eval()
+    chosen, rejected, _ = rewards_of(model, collate(examples, tokenizer.pad_token_id), "cpu")
+    for (p, c, r, _), got_c, got_r in zip(examples, chosen, rejected):
+        for completion, got in ((c, got_c), (r, got_r)):
+            alone = model(input_ids=torch.tensor([p + completion])).logits[0, 0]
+            assert torch.allclose(got, alone, atol=1e-5)
 
 
 def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
