@@ -227,19 +227,34 @@ def tokenize(rows, tokenizer, args):
     return examples, skipped
 
 
-def collate(examples, pad_id: int, max_length: int):
-    """The batch and its KL batch (prompt i with completion i - 1), each right-padded:
-    (input_ids, attention_mask, completion_mask) twice, and the labels."""
-    def build(pairs):
-        input_ids, attention_mask = pad([p + c for p, c in pairs], pad_id)
-        prompt_lens = torch.tensor([len(p) for p, _ in pairs])[:, None]
-        completion_mask = (torch.arange(input_ids.shape[1])[None, :] >= prompt_lens).long() * attention_mask
-        return input_ids, attention_mask, completion_mask
+def build(pairs, pad_id: int):
+    """(prompt, completion) pairs -> right-padded (input_ids, attention_mask, completion_mask)."""
+    input_ids, attention_mask = pad([p + c for p, c in pairs], pad_id)
+    prompt_lens = torch.tensor([len(p) for p, _ in pairs])[:, None]
+    completion_mask = (torch.arange(input_ids.shape[1])[None, :] >= prompt_lens).long() * attention_mask
+    return input_ids, attention_mask, completion_mask
 
-    shifted = [examples[i - 1][1] for i in range(len(examples))]  # i = 0 takes the last completion
-    return (build([(p, c) for p, c, _ in examples]),
-            build([(p, c[:max_length - len(p)]) for (p, _, _), c in zip(examples, shifted)]),
+
+def kl_pairs(examples, max_length: int):
+    """The mismatched pairs of a batch: prompt i with completion i - 1 (i = 0 takes the last one)."""
+    shifted = [examples[i - 1][1] for i in range(len(examples))]
+    return [(p, c[:max_length - len(p)]) for (p, _, _), c in zip(examples, shifted)]
+
+
+def collate(examples, pad_id: int, max_length: int):
+    """The batch and its KL batch, each right-padded: (input_ids, attention_mask, completion_mask)
+    twice, and the labels."""
+    return (build([(p, c) for p, c, _ in examples], pad_id), build(kl_pairs(examples, max_length), pad_id),
             torch.tensor([label for _, _, label in examples]))
+
+
+def logps_from(model, batch, device):
+    """Summed completion logprobs of a `build` batch; logits only from the column before the earliest
+    completion token, so rows holding the same prompt run it once (shifted_logits)."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in batch)
+    start = max(int(completion_mask.argmax(1).min()) - 1, 0)
+    logits = shifted_logits(model, input_ids, attention_mask, start)
+    return sequence_logps(logits, input_ids[:, start:], completion_mask[:, start:])
 
 
 def main(args: Args):
@@ -305,27 +320,33 @@ def main(args: Args):
 
     @torch.no_grad()
     def kl_logratios(examples, policy):
-        """log pi - log pi_ref of the micro-batch's mismatched (prompt, other completion) pairs."""
-        _, kl_batch, _ = collate(examples, tokenizer.pad_token_id, args.max_length)
-        ids, mask, completion_mask = (t.to(accelerator.device) for t in kl_batch)
+        """(log pi - log pi_ref of the micro-batch's mismatched (prompt, other completion) pairs, and
+        the reference's logps of its own rows): the reference scores both kinds of rows in one call,
+        in which row i and its KL row share prompt i."""
+        rows = [(p, c) for p, c, _ in examples]
         with reference(accelerator, model, ref_model) as ref:
-            kl_ref = sequence_logps(shifted_logits(ref, ids, mask), ids, completion_mask)
-        return sequence_logps(shifted_logits(policy, ids, mask), ids, completion_mask) - kl_ref
+            ref_logps = logps_from(ref, build(rows + kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
+                                   accelerator.device)
+        kl_logps = logps_from(policy, build(kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
+                              accelerator.device)
+        return kl_logps - ref_logps[len(rows):], ref_logps[:len(rows)]
 
-    def batch_stats(examples, policy, kl=None):
+    def batch_stats(examples, policy, kl=None, ref_logps=None):
         """Loss and metric sums of one micro-batch: the loss is its mean over rows; the metric sums
         (loss, rewards, logps per class, class counts, kl) are divided after reduction. kl: the
-        reference point z0 (training: of the whole step); None: from this micro-batch's pairs."""
+        reference point z0 (training: of the whole step); None: from this micro-batch's pairs.
+        ref_logps: the reference's logps of the rows, when kl_logratios has them already."""
         batch, _, labels = collate(examples, tokenizer.pad_token_id, args.max_length)
-        batch = tuple(t.to(accelerator.device) for t in batch)
         labels = labels.to(accelerator.device)
-        logps = sequence_logps(shifted_logits(policy, batch[0], batch[1]), batch[0], batch[2])
-        with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
-            ref_logps = sequence_logps(shifted_logits(ref, batch[0], batch[1]), batch[0], batch[2])
+        logps = logps_from(policy, batch, accelerator.device)
+        if kl is None and args.loss_type == "kto":
+            kl_ratios, ref_logps = kl_logratios(examples, policy)
+            kl = kl_reference_point(kl_ratios, 0.0)
+        if ref_logps is None:
+            with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
+                ref_logps = logps_from(ref, batch, accelerator.device)
         if kl is None:
             kl = torch.zeros((), device=accelerator.device)
-            if args.loss_type == "kto":
-                kl = kl_reference_point(kl_logratios(examples, policy), 0.0)
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
                                    args.undesirable_weight, args.loss_type)
         good, bad = labels.float(), (~labels).float()
@@ -387,13 +408,14 @@ def main(args: Args):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of rows, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         micro = [next(batches) for _ in range(args.gradient_accumulation_steps)]
-        z0 = torch.zeros((), device=accelerator.device)
+        z0, ref_logps = torch.zeros((), device=accelerator.device), [None] * len(micro)
         if args.loss_type == "kto":  # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
-            z0 = kl_reference_point(accelerator.gather(torch.cat([kl_logratios(m, model) for m in micro])), 0.0)
+            kl_ratios, ref_logps = zip(*[kl_logratios(m, model) for m in micro])
+            z0 = kl_reference_point(accelerator.gather(torch.cat(kl_ratios)), 0.0)
         totals = 0
-        for examples in micro:
+        for examples, ref_m in zip(micro, ref_logps):
             with accelerator.accumulate(model):
-                loss, sums = batch_stats(examples, model, z0)
+                loss, sums = batch_stats(examples, model, z0, ref_m)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
