@@ -248,11 +248,12 @@ def collate(examples, pad_id: int, max_length: int):
             torch.tensor([label for _, _, label in examples]))
 
 
-def logps_from(model, batch, device):
-    """Summed completion logprobs of a `build` batch; logits only from the column before the earliest
-    completion token, so rows holding the same prompt run it once (shifted_logits)."""
+def logps_from(model, batch, device, share_prompts: bool = False):
+    """Summed completion logprobs of a `build` batch. share_prompts: logits only from the column
+    before the earliest completion token, so that rows holding the same prompt run it once
+    (shifted_logits); for a batch of distinct prompts the single plain forward is cheaper."""
     input_ids, attention_mask, completion_mask = (t.to(device) for t in batch)
-    start = max(int(completion_mask.argmax(1).min()) - 1, 0)
+    start = max(int(completion_mask.argmax(1).min()) - 1, 0) if share_prompts else 0
     logits = shifted_logits(model, input_ids, attention_mask, start)
     return sequence_logps(logits, input_ids[:, start:], completion_mask[:, start:])
 
@@ -326,7 +327,7 @@ def main(args: Args):
         rows = [(p, c) for p, c, _ in examples]
         with reference(accelerator, model, ref_model) as ref:
             ref_logps = logps_from(ref, build(rows + kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
-                                   accelerator.device)
+                                   accelerator.device, share_prompts=True)
         kl_logps = logps_from(policy, build(kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
                               accelerator.device)
         return kl_logps - ref_logps[len(rows):], ref_logps[:len(rows)]

@@ -262,7 +262,7 @@ class PolicyAndValue(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
         """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""
-        logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1)
+        logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1, share_prefix=False)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
@@ -333,7 +333,7 @@ def main(args: Args):
             logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
             ref = ref_model if ref_model is not None else policy
             with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
-                ref_logits = shifted_logits(ref, input_ids[s], attention_mask[s], prompt_width - 1)
+                ref_logits = shifted_logits(ref, input_ids[s], attention_mask[s], prompt_width - 1, share_prefix=False)
             outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits / args.temperature,
                                                                                  response_ids[s]), values))
         return (torch.cat(x) for x in zip(*outs))

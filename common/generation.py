@@ -113,7 +113,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def shifted_logits(model, input_ids, attention_mask, start: int = 0) -> torch.Tensor:
+def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefix: bool = True) -> torch.Tensor:
     """Logits at positions start..T-2, aligned with the tokens they predict, `input_ids[:, start + 1:]`
     (start = prompt width - 1: the completion's). Only those positions go through the LM head
     (`logits_to_keep`), which saves its [B, T, V] output for the prompt. Positions count real tokens
@@ -122,9 +122,10 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0) -> torch.Te
     Rows whose first `start` tokens are the same (the num_generations samples of one prompt, the
     chosen and rejected of one pair) share them: a causal model's states there depend on nothing
     after, so those tokens go through the model once per distinct prefix, and the rest of every row
-    continues from that prefix's key/value cache (gradients flow back through it)."""
+    continues from that prefix's key/value cache (gradients flow back through it). share_prefix=False
+    (one sample per prompt, as in PPO): one plain forward, cheaper when no prefix repeats."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = shared_prefix_cache(model, input_ids, attention_mask, start, logits_to_keep=1)
+    cache = shared_prefix_cache(model, input_ids, attention_mask, start if share_prefix else 0, logits_to_keep=1)
     if cache is not None:
         return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
                      past_key_values=cache, use_cache=True).logits[:, :-1]
