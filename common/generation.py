@@ -136,10 +136,15 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
 def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs):
     """The key/value cache of the first `length` tokens, one row per input row, computed once per
     distinct prefix (a causal model's states there depend on nothing after them). None when length
-    is 0 or the model gives no cache (gradient checkpointing turns it off): the caller then runs the
-    full rows. The prefix pass runs even when no two rows share one, so that every process makes the
-    same number of model calls whatever its data (DDP and ZeRO-3 communicate inside each call)."""
-    if length <= 0:
+    is 0 or the model gives no cache (gradient checkpointing in training turns it off): the caller
+    then runs the full rows. The prefix pass runs even when no two rows share one, so that every
+    process makes the same number of model calls whatever its data (DDP and ZeRO-3 communicate inside
+    each call)."""
+    inner = getattr(model, "module", model)  # under DDP / DeepSpeed: the wrapped model
+    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5.23; older:
+    if checkpointing is None:
+        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
+    if length <= 0 or (inner.training and checkpointing):
         return None
     prefixes, owner = torch.unique(torch.cat([input_ids[:, :length], attention_mask[:, :length]], 1), dim=0,
                                    return_inverse=True)
@@ -148,6 +153,6 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
     cache = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
                   **kwargs).past_key_values  # kwargs: logits_to_keep=1 for a causal LM
-    if cache is not None:
+    if cache is not None:  # None: a model that keeps no cache
         cache.batch_select_indices(owner)
     return cache
