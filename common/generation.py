@@ -151,8 +151,9 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     # a row holding each prefix (any of them: their prefixes are equal)
     first = owner.new_zeros(len(prefixes)).scatter_(0, owner, torch.arange(len(owner), device=owner.device))
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
-    cache = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                  **kwargs).past_key_values  # kwargs: logits_to_keep=1 for a causal LM
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                **kwargs)  # kwargs: logits_to_keep=1 for a causal LM
+    cache = getattr(out, "past_key_values", None)
     if cache is not None:  # None: a model that keeps no cache
         cache.batch_select_indices(owner)
     return cache
