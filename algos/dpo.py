@@ -326,11 +326,13 @@ def main(args: Args):
     mean_logps = uses_mean_logps(args.loss_type)
 
     # ---- model and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    # the tiny task's names (the defaults) are folders built on first use; other names load as given
+    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
+    tokenizer = load_tokenizer(model_path)
     formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
 
     def load(split):
-        dataset = load_split(args.dataset_name, split)
+        dataset = load_split(data_path, split)
         if check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,") \
                 == "implicit prompt" and not is_conversational(dataset[0]["chosen"]):
             raise UserError(f"dataset '{args.dataset_name}' has no prompt column; chosen/rejected without a prompt "
@@ -355,12 +357,12 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.ref_model_name_or_path or args.model_name_or_path,
-                                                            tokenizer, args.torch_dtype))
+        ref_path = tiny_tldr.local(args.ref_model_name_or_path) if args.ref_model_name_or_path else model_path
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
 
     @torch.no_grad()
     def reference_logps(examples):

@@ -35,7 +35,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -265,8 +265,10 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- model, data and rewards ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    # the tiny task's names (the defaults) are folders built on first use; other names load as given
+    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
+    tokenizer = load_tokenizer(model_path)
+    dataset = load_split(data_path, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
@@ -274,11 +276,11 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x {args.world_size} processes / num_generations "
                                f"{args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None
     if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -287,7 +289,7 @@ def main(args: Args):
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.max_completion_length)
+        sampler = VLLMSampler(args, accelerator, model_path, args.max_prompt_length + args.max_completion_length)
     checkpointer = Checkpointer(args, accelerator, scheduler)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))

@@ -34,7 +34,7 @@ from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference, resolve
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, import_judge, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -215,19 +215,21 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- model, data and ranking ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    # the tiny task's names (the defaults) are folders built on first use; other names load as given
+    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
+    tokenizer = load_tokenizer(model_path)
+    dataset = load_split(data_path, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
                                f"per_device_train_batch_size {args.per_device_train_batch_size} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
     judge = None
     if args.judge:
         judge = import_judge(args.judge)
@@ -239,7 +241,7 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_length) if args.use_vllm else None
+    sampler = VLLMSampler(args, accelerator, model_path, args.max_length) if args.use_vllm else None
     checkpointer = Checkpointer(args, accelerator, scheduler)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))

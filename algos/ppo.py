@@ -34,7 +34,7 @@ from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
-                           load_tokenizer, prepare_frozen, resolve)
+                           load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -280,8 +280,10 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- models and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    # the tiny task's names (the defaults) are folders built on first use; other names load as given
+    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
+    tokenizer = load_tokenizer(model_path)
+    dataset = load_split(data_path, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.rollout_batch_size,
@@ -289,7 +291,7 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    policy = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, policy, accelerator)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
@@ -298,7 +300,7 @@ def main(args: Args):
     value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype), args, "SEQ_CLS")
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights, accelerator)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
@@ -309,7 +311,7 @@ def main(args: Args):
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, resolve(args.model_name_or_path), args.max_prompt_length + args.response_length)
+        sampler = VLLMSampler(args, accelerator, model_path, args.max_prompt_length + args.response_length)
     tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")

@@ -218,8 +218,10 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    train_split = load_split(args.dataset_name, args.dataset_train_split)
+    # the tiny task's names (the defaults) are folders built on first use; other names load as given
+    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
+    tokenizer = load_tokenizer(model_path)
+    train_split = load_split(data_path, args.dataset_train_split)
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
@@ -230,7 +232,7 @@ def main(args: Args):
         raise UserError(f"every training prompt is >= max_length={args.max_length} tokens; raise --max_length")
     eval_examples = []
     if args.dataset_test_split:
-        eval_split = load_split(args.dataset_name, args.dataset_test_split)
+        eval_split = load_split(data_path, args.dataset_test_split)
         check_columns(eval_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_test_split})")
         eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
     steps_per_epoch = len(train_examples) // args.total_batch_size
@@ -242,7 +244,7 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),

@@ -270,6 +270,13 @@ def materialize(name: str) -> str | None:
     return model_dir
 
 
+def local(name: str) -> str:
+    """The local folder of a tiny-task name (built on first use); any other name or path unchanged.
+    The scripts pass their model and dataset names through this before loading, so that the
+    defaults work out of the box while common/ knows nothing of the tiny task."""
+    return materialize(name) or name
+
+
 def judge_policy(model, tokenizer, split: str = "test", temperature: float = 0.0,
                  max_new_tokens: int = 48, batch_size: int = 64) -> dict:
     """Summarise every prompt of a split of the tiny task and judge against the references:

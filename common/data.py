@@ -13,7 +13,6 @@ import os
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from common.models import resolve
 from common.runtime import UserError
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -22,7 +21,7 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 def load_split(name: str, split: str) -> Dataset:
     """One split of a hub dataset, a local dataset directory (`save_to_disk` output or a folder of
     data files named by split) or a single local .json/.jsonl/.parquet/.csv file (split "train")."""
-    path = resolve(name)
+    path = name
     try:
         if os.path.isfile(path):
             builder = FILE_BUILDERS.get(os.path.splitext(path)[1])

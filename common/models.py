@@ -6,17 +6,11 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from benchmarks import tiny_tldr
 from common.runtime import UserError
 
 
-def resolve(name_or_path: str) -> str:
-    """The tiny task's default names ("tiny-pythia", ...) build locally on first use."""
-    return tiny_tldr.materialize(name_or_path) or name_or_path
-
-
 def _from_pretrained(cls, name_or_path: str, **kwargs):
-    path = resolve(name_or_path)
+    path = name_or_path
     try:
         return cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:

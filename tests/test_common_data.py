@@ -30,7 +30,9 @@ def test_load_jsonl_file_and_directory_and_save_to_disk(tmp_path):
 
 
 def test_tiny_names_resolve_to_built_data(tiny_cache):
-    split = load_split("tiny-tldr-preference", "validation")
+    from benchmarks import tiny_tldr
+
+    split = load_split(tiny_tldr.local("tiny-tldr-preference"), "validation")
     assert split.column_names == ["prompt", "chosen", "rejected"]
 
 
