@@ -3,6 +3,7 @@ run of one pair where TRL is installed."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -110,3 +111,30 @@ def test_two_steps_of_sft_against_trl(tmp_path):
         assert group["betas"] == [0.9, 0.999] and group["eps"] == 1e-8 and not group["fused"]
         assert group["weight_decay"] == result["settings"]["weight_decay"]
     assert result["ratio"] > 0 and vs_trl.table(section["results"]).startswith("script")
+
+
+def test_a_reused_work_dir_measures_the_new_runs(tmp_path, monkeypatch):
+    """A second invocation in the same --work_dir must time its own runs: our JSONL log appends and
+    the clock keeps a step's first line, so the old run's outputs have to go first."""
+    calls = iter(range(100))
+
+    def fake_spawn(spec, spec_path, timeout):  # call n writes steps 1..3 at n + 1 seconds per step
+        n = next(calls)
+        if spec["side"] == "ours":
+            out = spec["argv"][spec["argv"].index("--output_dir") + 1]
+            os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+            path = os.path.join(out, "logs", "vs_trl.jsonl")
+        else:
+            path = spec["clock"]
+        with open(path, "a") as f:
+            for step in (1, 2, 3):
+                f.write(json.dumps({"step": step, "time": step * (n + 1)}) + "\n")
+        return 500.0
+
+    monkeypatch.setattr(vs_trl, "spawn", fake_spawn)
+    monkeypatch.setattr(vs_trl, "longest_in_tokens", lambda *a: {})
+    args = vs_trl.Args(scripts=["sft"], runs=1, steps=3)
+    first = vs_trl.compare("sft", args, str(tmp_path), "model", "data")
+    second = vs_trl.compare("sft", args, str(tmp_path), "model", "data")
+    assert (first["ours"]["seconds_per_update"], first["trl"]["seconds_per_update"]) == (1, 2)
+    assert (second["ours"]["seconds_per_update"], second["trl"]["seconds_per_update"]) == (3, 4)
