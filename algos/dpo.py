@@ -294,8 +294,8 @@ def forward_pairs(model, batch, mean_logps: bool):
     # logits from the column before the earliest completion token on; a pair's chosen and rejected
     # rows share the prompt before it, so shifted_logits runs that part once per pair
     start = max(int(completion_mask.argmax(1).min()) - 1, 0)
+    logits = shifted_logits(model, input_ids, attention_mask, start)  # aligned with input_ids[:, start + 1:]
     input_ids, completion_mask = input_ids[:, start:], completion_mask[:, start:]
-    logits = shifted_logits(model, batch[0], attention_mask, start)
     logps, counts = sequence_logps(logits, input_ids, completion_mask)
     mask = completion_mask[:, 1:]
     mean_logits = ((logits.detach().float().mean(-1) * mask).sum(-1) / counts).chunk(2)

@@ -32,7 +32,7 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import generate, real_positions, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
@@ -263,7 +263,7 @@ class PolicyAndValue(torch.nn.Module):
     def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
         """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""
         logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1, share_prefix=False)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as shifted_logits does for the policy
+        position_ids = real_positions(attention_mask)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         values = self.value_model.score(hidden[:, prompt_width - 1:-1]).squeeze(-1)

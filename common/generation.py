@@ -113,6 +113,12 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only (0 on left padding), so a padded row is placed as it
+    would be alone."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefix: bool = True) -> torch.Tensor:
     """Logits at positions start..T-2, aligned with the tokens they predict, `input_ids[:, start + 1:]`
     (start = prompt width - 1: the completion's). Only those positions go through the LM head
@@ -124,7 +130,7 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
     after, so those tokens go through the model once per distinct prefix, and the rest of every row
     continues from that prefix's key/value cache (gradients flow back through it). share_prefix=False
     (one sample per prompt, as in PPO): one plain forward, cheaper when no prefix repeats."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = real_positions(attention_mask)
     cache = shared_prefix_cache(model, input_ids, attention_mask, start if share_prefix else 0, logits_to_keep=1)
     if cache is not None:
         return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
@@ -151,7 +157,7 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     # a row holding each prefix (any of them: their prefixes are equal)
     first = owner.new_zeros(len(prefixes)).scatter_(0, owner, torch.arange(len(owner), device=owner.device))
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=real_positions(mask), use_cache=True,
                 **kwargs)  # kwargs: logits_to_keep=1 for a causal LM
     cache = getattr(out, "past_key_values", None)
     if cache is not None:  # None: a model that keeps no cache

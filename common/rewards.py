@@ -16,7 +16,7 @@ import sys
 import torch
 
 from common.data import encode_completion, encode_prompt
-from common.generation import pad, shared_prefix_cache
+from common.generation import pad, real_positions, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
@@ -82,7 +82,7 @@ def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torc
     config = getattr(model, "module", model).config  # under DDP / DeepSpeed: the wrapped model's
     pad_id, config.pad_token_id = config.pad_token_id, -1
     try:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = real_positions(attention_mask)
         cache = shared_prefix_cache(model, input_ids, attention_mask, prefix)
         if cache is not None:
             return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
