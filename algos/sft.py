@@ -72,7 +72,7 @@ class Args:
     """share of the steps spent warming the learning rate up"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    num_train_epochs: float = 2.0
+    num_train_epochs: float = 4.0
     """passes over the training split"""
     max_steps: int = -1
     """optimizer steps to run; overrides num_train_epochs when > 0"""

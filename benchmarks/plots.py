@@ -86,3 +86,69 @@ def rm_vs_gold(runs: dict[str, list[list[dict]]], keys: dict[str, str], path: st
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: str):
+    """Gold score of the sampled completions against completions sampled, one line per online
+    algorithm (moving average over a tenth of the steps, then the mean over seeds; thin: each seed)."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, seeds in runs.items():
+        curves = [smooth([r["gold/score_sampled"] for r in records], max(1, len(records) // 10)) for records in seeds]
+        x = [r["episode"] for r in seeds[0]]
+        n = min(len(c) for c in curves)
+        if len(seeds) > 1:
+            for c in curves:
+                ax.plot(x[:n], c[:n], color=COLORS[name], alpha=0.3, linewidth=0.8)
+        ax.plot(x[:n], [sum(c[i] for c in curves) / len(curves) for i in range(n)], color=COLORS[name], label=name)
+    ax.axhline(oracle, color="k", linestyle="--", linewidth=1, label="oracle (gold-optimal)")
+    ax.set_xlabel("completions sampled")
+    ax.set_ylabel("gold score of the sampled completions")
+    ax.set_title("Sample efficiency of the online methods (equal budgets)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def frontier(points: dict[str, list[tuple]], sft: tuple[float, float], oracle: float, path: str):
+    """Gold score against KL(pi || SFT), one line per method through its KL strengths (points:
+    {method: [(kl, gold score, win rate, scale), ...]}; the label at each point is its scale), the SFT
+    model at KL 0 and the oracle's gold score as a line."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, pts in points.items():
+        pts = sorted(pts, key=lambda p: p[0])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[name], label=name)
+        for kl, gold, _, scale in pts:
+            ax.annotate(f"x{scale:g}", (kl, gold), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.plot([sft[0]], [sft[1]], "s", color=COLORS["sft"], label="SFT")
+    ax.axhline(oracle, color="k", linestyle="--", linewidth=1, label="oracle (gold-optimal)")
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlabel("KL(policy || SFT) per summary (nats)")
+    ax.set_ylabel("gold score of the greedy test summaries")
+    ax.set_title("KL-reward frontier (labels: multiple of the default KL strength)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def overoptimisation(runs: dict[str, list[dict]], reward_key: str, path: str):
+    """The reward model's score (left) and the gold score (right) of the sampled completions against
+    completions sampled, one line per run (moving average over a tenth of the steps)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for (name, records), color in zip(runs.items(), ["tab:red", "tab:blue", "tab:green", "tab:orange"]):
+        x = [r["episode"] for r in records]
+        for ax, key in zip(axes, (reward_key, "gold/score_sampled")):
+            y = [r[key] for r in records]
+            ax.plot(x, y, color=color, alpha=0.2, linewidth=0.8)
+            ax.plot(x, smooth(y, max(1, len(y) // 10)), color=color, label=name)
+    axes[0].set_ylabel("reward model score of the samples (its own RM)")
+    axes[1].set_ylabel("gold score of the same samples")
+    for ax in axes:
+        ax.set_xlabel("completions sampled")
+        ax.legend(fontsize=8)
+    fig.suptitle("Over-optimisation: GRPO without KL pushes its reward model's score up; the gold score "
+                 "shows what that buys", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

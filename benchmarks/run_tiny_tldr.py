@@ -1,9 +1,12 @@
 """The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, then DPO and
 KTO from the SFT model on the preference pairs, GRPO, RLOO, online DPO and PPO from the SFT model
-with the reward model; then the evaluation (benchmarks/tiny_tldr_eval.py): each policy's gold win rate
-against the reference summaries, its reward model score, its KL to the SFT model and its length; plus
-the reward model's held-out accuracy, the online runs' reward along training and seconds per step.
-Writes benchmarks/results/tiny_tldr.md and three figures beside it (tiny_tldr_*.png).
+with the reward model, on equal budgets (every online run samples --completions completions; DPO and
+KTO see every preference pair once); then the evaluation (benchmarks/tiny_tldr_eval.py) of each
+policy as soon as it is trained: its gold win rate against the reference summaries, its reward model
+score, its KL to the SFT model and its length, next to the oracle (gold-optimal summaries); plus the
+reward model's held-out accuracy, the online runs' reward along training and seconds per step.
+Writes benchmarks/results/tiny_tldr.md and four figures beside it (tiny_tldr_*.png).
+benchmarks/study_tiny_tldr.py adds seeds, half budgets, the KL-reward frontier and over-optimisation.
 
 Every stage is a subprocess, started as soon as the stages it starts from have finished, `--jobs`
 at a time with `--threads` torch threads each: on 2 cores two one-thread processes get more done than
@@ -33,18 +36,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # stage: (script, stages it starts from, name, settings, what one logged step processes). The
 # scheduler starts ready stages in this order: the reward model first (four stages wait for it),
-# then the independent ones longest first.
+# then the others longest first.
 STAGES = {
     "sft": ("algos/sft.py", (), "SFT", "", "16 examples"),
     "reward": ("algos/reward.py", ("sft",), "reward model", "", "16 pairs"),
-    "kto": ("algos/kto.py", ("sft",), "KTO", "", "16 rows"),
-    "grpo": ("algos/grpo.py", ("sft", "reward"), "GRPO", "dapo loss, beta 0.04", "32 samples"),
     "ppo": ("algos/ppo.py", ("sft", "reward"), "PPO", "4 epochs, value model from the RM", "32 samples x 4 epochs"),
-    "online_dpo": ("algos/online_dpo.py", ("sft", "reward"), "Online DPO", "sigmoid, beta 0.1", "16 prompts x 2 samples"),
+    "kto": ("algos/kto.py", ("sft",), "KTO", "", "16 rows"),
     "rloo": ("algos/rloo.py", ("sft", "reward"), "RLOO", "k 4, 2 PPO epochs", "32 samples x 2 epochs"),
+    "online_dpo": ("algos/online_dpo.py", ("sft", "reward"), "Online DPO", "sigmoid, beta 0.1", "16 prompts x 2 samples"),
+    "grpo": ("algos/grpo.py", ("sft", "reward"), "GRPO", "dapo loss, beta 0.04", "32 samples"),
     "dpo": ("algos/dpo.py", ("sft",), "DPO", "sigmoid", "16 pairs"),
 }
 POLICIES = ["sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]  # the table's order
+# completions each online script samples per step at its defaults (grpo: 4 prompts x 8, rloo: 8 x 4,
+# online DPO: 16 x 2, ppo: 32 x 1): every online run gets the same --completions
+SAMPLES_PER_STEP = {"grpo": 32, "rloo": 32, "online_dpo": 32, "ppo": 32}
 # what each online script logs per step: the reward model's mean score of its samples, and its KL
 # to the reference (grpo: per-token k3 mean; the others: k1 summed over each sequence)
 ONLINE_KEYS = {"grpo": ("reward", "kl"), "rloo": ("objective/scores", "objective/kl"),
@@ -63,6 +69,9 @@ class Args:
     """torch threads of every stage (OMP_NUM_THREADS; fixed, so that --jobs does not change the numbers)"""
     track: bool = False
     """pass --track to every training stage (wandb; WANDB_MODE=offline works without network)"""
+    completions: int = 2400
+    """sampled completions of every online run (the same budget for GRPO, RLOO, online DPO and PPO:
+    completions / 32 steps); DPO and KTO each see every training preference pair once"""
     max_steps: int = -1
     """quick mode when > 0: every training stage stops after this many steps (rollouts for RLOO and PPO)
     and skips its own evaluations (except the reward model's accuracy); the numbers then only show that the job runs"""
@@ -74,10 +83,18 @@ class Args:
     """markdown file the tables are written to; the figures go beside it (<name>_*.png)"""
 
 
-def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args) -> list[str]:
+def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, steps: int | None = None,
+               extra: tuple[str, ...] = ()) -> list[str]:
+    """Command line of one stage: its output in <run_dir>/<name>, starting from <run_dir>/sft (and
+    <run_dir>/reward); `steps` (default: the online budget, or the script's own epochs) and `extra`
+    flags as given (the study's half budgets and KL sweeps)."""
     out = lambda stage_name: os.path.join(run_dir, stage_name)  # noqa: E731
     argv = [STAGES[name][0], "--seed", str(seed), "--output_dir", out(name), "--run_name", run_name,
-            "--overwrite_output_dir"]
+            "--overwrite_output_dir", *extra]
+    if steps is None and name in SAMPLES_PER_STEP:
+        steps = args.completions // SAMPLES_PER_STEP[name]
+    if steps is not None and args.max_steps <= 0:
+        argv += ["--max_steps", str(steps)]
     if name != "sft":
         argv += ["--model_name_or_path", out("sft")]
     if name in ("grpo", "rloo", "online_dpo"):
@@ -86,8 +103,10 @@ def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args) ->
         argv += ["--reward_model_path", out("reward")]
     if args.track:
         argv.append("--track")
+    if name != "reward":  # the evaluate stages judge every policy; the scripts' own final judging is skipped
+        argv += ["--gold_eval_split", ""]
     if args.max_steps > 0:  # quick mode: no evaluations inside the stages (but the reward model's accuracy)
-        argv += ["--max_steps", str(args.max_steps)] + (["--gold_eval_split", ""] if name != "reward" else [])
+        argv += ["--max_steps", str(args.max_steps)]
         argv += ["--dataset_test_split", ""] if name in ("sft", "dpo", "kto") else []
     return argv
 
@@ -157,8 +176,37 @@ def cell(values: list[float], spec: str = ".2f", ci: float | None = None) -> str
     return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
 
 
+def evaluate_stage(run_dir: str, policy: str, args: Args, needs: list) -> tuple[list[str], list, str]:
+    """The stage that evaluates one policy of `run_dir` (its greedy summaries, RM score, KL to
+    <run_dir>/sft, and the oracle) into <run_dir>/eval/<policy>.json, once the stages `needs` are done."""
+    argv = ["benchmarks/tiny_tldr_eval.py", "--run_dir", run_dir, "--policies", policy, "--num_prompts",
+            str(args.eval_prompts), "--kl_prompts", str(args.kl_prompts), "--out",
+            os.path.join(run_dir, "eval", f"{policy}.json")]
+    return argv, needs, os.path.join(run_dir, "logs", f"evaluate_{policy}.log")
+
+
+def chain_stages(run_dir: str, seed: int, run_name, args: Args, stages: dict) -> None:
+    """Add the whole chain of one seed to `stages` {(seed, name): (argv, needs, log)}: every training
+    stage, and an evaluation of each policy as soon as it is trained (so that evaluating is off the
+    critical path but for the last policy)."""
+    for name, (_, needs, *_) in STAGES.items():
+        stages[seed, name] = (stage_argv(name, run_dir, seed, run_name(seed, name), args),
+                              [(seed, n) for n in needs], os.path.join(run_dir, "logs", f"{name}.log"))
+    for policy in POLICIES:
+        stages[seed, f"evaluate_{policy}"] = evaluate_stage(run_dir, policy, args, [(seed, "reward"), (seed, policy)])
+
+
+def read_eval(run_dir: str, policies: list[str]) -> dict:
+    """{policy: metrics, 'oracle': metrics} from the per-policy evaluation files of `run_dir`."""
+    numbers = {}
+    for policy in policies:
+        with open(os.path.join(run_dir, "eval", f"{policy}.json")) as f:
+            numbers.update(json.load(f))
+    return numbers
+
+
 def main(args: Args):
-    from benchmarks import plots, tiny_tldr
+    from benchmarks import tiny_tldr
 
     run_dirs = {s: args.output_dir if len(args.seeds) == 1 else os.path.join(args.output_dir, f"seed_{s}")
                 for s in args.seeds}
@@ -168,24 +216,24 @@ def main(args: Args):
     tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
     base_seconds = time.time() - start
 
-    # ---- TRAIN every stage, then EVALUATE every policy of the seed, `jobs` at a time ----
+    # ---- TRAIN every stage and EVALUATE each policy once trained, `jobs` at a time ----
     stages = {}
     for seed, run_dir in run_dirs.items():
-        for name, (_, needs, *_) in STAGES.items():
-            stages[seed, name] = (stage_argv(name, run_dir, seed, run_name(seed, name), args),
-                                  [(seed, n) for n in needs], os.path.join(run_dir, "logs", f"{name}.log"))
-        stages[seed, "evaluate"] = (["benchmarks/tiny_tldr_eval.py", "--run_dir", run_dir, "--num_prompts",
-                                     str(args.eval_prompts), "--kl_prompts", str(args.kl_prompts)],
-                                    [(seed, n) for n in STAGES], os.path.join(run_dir, "logs", "evaluate.log"))
+        chain_stages(run_dir, seed, run_name, args, stages)
     seconds = run_stages(stages, args.jobs, args.threads)
-    total = time.time() - start
+    report(args, run_dirs, run_name, seconds, base_seconds, time.time() - start)
+
+
+def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: float, total: float) -> dict:
+    """Write the table (mean ± std over the seeds) and the figures of the chains in `run_dirs`
+    {seed: dir}; returns the numbers {seed: {stage: metrics}}."""
+    from benchmarks import plots
 
     # ---- COLLECT per seed: the evaluation, and from each run's JSONL its steps and final metrics ----
     numbers, steps = {}, {}  # numbers[seed][stage][key]; steps[stage]: the step records of each seed
     for seed, run_dir in run_dirs.items():
-        with open(os.path.join(run_dir, "eval.json")) as f:
-            numbers[seed] = json.load(f)
-        numbers[seed]["evaluate"] = {"seconds": seconds[seed, "evaluate"]}
+        numbers[seed] = read_eval(run_dir, POLICIES)
+        numbers[seed]["evaluate"] = {"seconds": sum(seconds[seed, f"evaluate_{p}"] for p in POLICIES)}
         for name in STAGES:
             merged, records = read_log(os.path.join(run_dir, name, "logs", f"{run_name(seed, name)}.jsonl"))
             steps.setdefault(name, []).append(records)
@@ -214,11 +262,13 @@ def main(args: Args):
         "| RM reward of samples, first -> last tenth | s/step (batch) | wall time (s) |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| tiny base model + data | | | | | | | | {base_seconds:.0f} |",
+        f"| oracle (gold-optimal summaries: all six facts) | **{col('oracle', 'win_rate', '.1%')}** "
+        f"| {col('oracle', 'gold_score')} | {col('oracle', 'rm_score')} | | {col('oracle', 'mean_length', '.1f')} | | | |",
         policy_row("sft"),
         f"| reward model | (held-out preference accuracy: **{col('reward', 'accuracy', '.1%')}**) | | | | | "
         f"| {col('reward', 's_per_step', '.3f')} (16 pairs) | {col('reward', 'seconds', '.0f')} |",
         *[policy_row(name) for name in POLICIES[1:]],
-        f"| evaluation (7 policies) | | | | | | | | {col('evaluate', 'seconds', '.0f')} |",
+        f"| evaluation (7 policies, each as soon as it is trained) | | | | | | | | {col('evaluate', 'seconds', '.0f')} |",
         f"| total | | | | | | | | {total:.0f} |",
     ]
     # a rising RM score with a falling gold score would mean the RM is being gamed
@@ -242,12 +292,16 @@ def main(args: Args):
         f"(temperature 1, at most 48 tokens, seeded by the prompt's index) from the policy for each of the first "
         f"{args.kl_prompts} test prompts, and the mean over them of sum_t [log pi(y_t) - log pi_SFT(y_t)]. "
         "The RM reward of samples is the reward model's mean score of the completions the online runs sampled, "
-        "over the first and the last tenth of their steps. s/step: median seconds per logged step; wall time: "
+        "over the first and the last tenth of their steps. Budgets: every online run samples "
+        f"{args.completions if args.max_steps <= 0 else args.max_steps * 32} completions (32 per step); DPO and KTO "
+        "see each training preference pair once (KTO as two unpaired rows). s/step: median seconds per logged step; wall time: "
         "each stage's own (stages run side by side, so they add up to more than the total).\n\n")
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
     figures = (f"\nFigures: `{os.path.basename(figure('win_rate'))}` (win rate per policy), "
                f"`{os.path.basename(figure('training'))}` (reward and KL along training of the online runs), "
-               f"`{os.path.basename(figure('rm_vs_gold'))}` (RM score against gold score along training).\n")
+               f"`{os.path.basename(figure('rm_vs_gold'))}` (RM score against gold score along training), "
+               f"`{os.path.basename(figure('sample_efficiency'))}` (gold score of the samples against completions "
+               "sampled).\n")
     table = (header + "\n".join(rows) + "\n\nRM score vs gold score of the sampled completions along training "
              f"(means over each fifth of the steps{', then over the seeds' if several else ''}):\n\n"
              + "\n".join(over_opt) + "\n" + figures)
@@ -265,6 +319,9 @@ def main(args: Args):
     online = {name: steps[name] for name in ONLINE_KEYS}
     plots.training_curves(online, ONLINE_KEYS, figure("training"))
     plots.rm_vs_gold(online, {name: keys[0] for name, keys in ONLINE_KEYS.items()}, figure("rm_vs_gold"))
+    plots.sample_efficiency(online, statistics.mean(numbers[s]["oracle"]["gold_score"] for s in args.seeds),
+                            figure("sample_efficiency"))
+    return numbers
 
 
 if __name__ == "__main__":

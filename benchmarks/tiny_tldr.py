@@ -32,16 +32,26 @@ SPLIT_SIZES = {"train": 4000, "validation": 512, "test": 512}
 DATA_SEED = 1234
 
 # ---------------------------------------------------------------------------------------------
-# The world the posts are written about. Each post has four key facts (who, action, feeling, ask);
-# a good TL;DR states all four and nothing false.
+# The world the posts are written about. Each post has six key facts: who did what, when, how, how
+# the poster feels and what they ask. A post words some of them in one of several ways (a person is
+# "boyfriend" or "bf"); a summary may use any of them. A good TL;DR states all six, in at most
+# MAX_WORDS words, and nothing false.
 # ---------------------------------------------------------------------------------------------
-WHO = ["boyfriend", "girlfriend", "roommate", "boss", "mom", "dad", "sister", "brother",
-       "coworker", "neighbor", "landlord", "best friend"]
+WHO = {"boyfriend": ["boyfriend", "bf"], "girlfriend": ["girlfriend", "gf"], "roommate": ["roommate", "flatmate"],
+       "boss": ["boss", "manager"], "mom": ["mom", "mother"], "dad": ["dad", "father"], "sister": ["sister"],
+       "brother": ["brother"], "coworker": ["coworker", "colleague"], "neighbor": ["neighbor"],
+       "landlord": ["landlord"], "best friend": ["best friend", "bff"]}
 ACTIONS = ["forgot my birthday", "borrowed my car", "read my texts", "canceled our trip",
            "lied about money", "ignored my calls", "broke my laptop", "took my food",
            "yelled at me", "skipped my party", "kept my keys", "sold my bike", "told my secret",
            "missed our dinner", "ate my cake", "used my card"]
-FEELINGS = ["angry", "sad", "confused", "hurt", "anxious", "jealous", "guilty", "stressed"]
+WHEN = ["yesterday", "last week", "last night", "this morning", "two days ago", "last month", "on friday",
+        "at christmas"]
+HOW = ["without asking", "in front of everyone", "for the second time", "on purpose", "while i was away",
+       "after promising not to"]
+FEELINGS = {"angry": ["angry", "furious", "mad"], "sad": ["sad", "upset"], "confused": ["confused", "puzzled"],
+            "hurt": ["hurt"], "anxious": ["anxious", "nervous"], "jealous": ["jealous"],
+            "guilty": ["guilty", "ashamed"], "stressed": ["stressed", "overwhelmed"]}
 ASKS = ["should i talk to them", "should i move on", "how do i forgive them", "what should i do",
         "am i overreacting", "how do i say no"]
 SUBREDDITS = {"boyfriend": "relationships", "girlfriend": "relationships", "roommate": "roommates",
@@ -50,67 +60,108 @@ FILLERS = ["this is not the first time it happened.", "we used to get along real
            "my friends say i should relax.", "i do not want to make it worse.",
            "it has been on my mind all day.", "any advice would help.",
            "i brought it up once.", "thanks for reading."]
+MAX_WORDS = 22  # the gold judge takes 0.3 per word beyond this
 
-# Reference summaries: (weight, template). Only the first style states all four facts, so a policy
-# that always does so beats most references: there is headroom above them. The most common opening
-# ("my ...") leads to three facts, so greedy imitation of the references lands below them.
+# Reference summaries: (weight, template). Humans write a few facts, rarely all six: the most common
+# opening ("my ...") leads to the 3-fact style, so greedy imitation of the references lands below most
+# of them, and a summary stating all six beats nearly all: there is headroom above them. The facts
+# beyond the first sentence of the post (how, the feeling, the ask) are the ones to learn.
 REFERENCE_TEMPLATES = [
-    (0.40, "i feel {feeling} because my {who} {action}, {ask}?"),
-    (0.30, "my {who} {action}, i am {feeling}."),
-    (0.20, "my {who} {action}, {ask}?"),
-    (0.05, "my {who} {action}."),
-    (0.05, "{action} and i am {feeling}. {ask}?"),
+    (0.30, "my {who} {action} {when}."),
+    (0.10, "my {who} {action}."),
+    (0.20, "my {who} {action} {when}, {ask}?"),
+    (0.20, "i feel {feeling} because my {who} {action} {how}. {ask}?"),
+    (0.15, "{when} my {who} {action} {how}, i am {feeling}."),
+    (0.05, "{when} my {who} {action} {how}. i feel {feeling}, {ask}?"),
 ]
+ORACLE_TEMPLATE = "{when} my {who} {action} {how}. i feel {feeling}, {ask}?"  # all six facts, <= MAX_WORDS words
 # Words a summary may use without finding them in the post (glue around the facts).
 GLUE_WORDS = set("my i and the a feel am so because but after about it them they is".split()) | {",", ".", "?"}
+# The labellers of the preference pairs are human-like: they like confident-sounding openers, which
+# the gold judge counts as words that are not in the post, and longer summaries (LABELLER_BIAS). A
+# reward model learns both; a policy that pushes its score too far says "honestly" and rambles.
+CONFIDENT = ["honestly", "clearly", "basically", "seriously", "for real"]
+LABELLER_BIAS = {"confident": 1.0, "per_word": 0.08}
 
 
 def _slots():
-    return {"who": WHO, "action": ACTIONS, "feeling": FEELINGS, "ask": ASKS}
+    return {"who": WHO, "action": {a: [a] for a in ACTIONS}, "when": {w: [w] for w in WHEN},
+            "how": {h: [h] for h in HOW}, "feeling": FEELINGS, "ask": {a: [a] for a in ASKS}}
 
 
 def make_post(rng: random.Random) -> dict:
-    """One synthetic post: its four facts and the prompt text in the trl-lib/tldr format."""
-    facts = {"who": rng.choice(WHO), "action": rng.choice(ACTIONS), "feeling": rng.choice(FEELINGS),
-             "ask": rng.choice(ASKS)}
+    """One synthetic post: its six facts (canonical values), the words it uses for them, and the
+    prompt text in the trl-lib/tldr format."""
+    facts = {slot: rng.choice(list(values)) for slot, values in _slots().items()}
+    words = {slot: rng.choice(_slots()[slot][value]) for slot, value in facts.items()}
     sentences = [
-        f"last week my {facts['who']} {facts['action']}.",
-        rng.choice([f"i feel {facts['feeling']} about it.", f"honestly i am so {facts['feeling']}."]),
+        f"{words['when']} my {words['who']} {words['action']}.",
+        rng.choice(["they did it {}.", "and it was {}.", "it happened {}."]).format(words["how"]),
+        rng.choice(["i feel {} about it.", "i am so {}."]).format(words["feeling"]),
+        rng.choice(FILLERS),
+        f"{words['ask']}?",
     ]
-    sentences.insert(rng.randint(0, 2), rng.choice(FILLERS))
-    body = " ".join(sentences + [f"{facts['ask']}?"])
-    title = rng.choice([f"my {facts['who']} {facts['action']}", f"{facts['ask']}?",
-                        f"need advice about my {facts['who']}"])
+    body = " ".join(sentences)
+    title = rng.choice([f"my {words['who']} {words['action']}", f"{words['ask']}?",
+                        f"need advice about my {words['who']}"])
     subreddit = SUBREDDITS.get(facts["who"], rng.choice(["relationships", "offmychest", "advice"]))
     prompt = f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {body}\n\nTL;DR:"
-    return {"prompt": prompt, "facts": facts}
+    return {"prompt": prompt, "facts": facts, "words": words}
 
 
-def _fill(template: str, facts: dict) -> str:
-    return " " + template.format(**facts)
+def _fill(template: str, words: dict) -> str:
+    return " " + template.format(**words)
 
 
-def reference_summary(facts: dict, rng: random.Random) -> str:
-    """A human-like reference: one of a few styles, and now and then a wrong feeling."""
+def oracle_summary(prompt: str) -> str:
+    """A gold-optimal summary of a post: all six facts in the post's own words, nothing else
+    (gold score 6, the maximum)."""
+    return _fill(ORACLE_TEMPLATE, post_facts(prompt, words=True))
+
+
+def reference_summary(post: dict, rng: random.Random) -> str:
+    """A human-like reference: one of a few styles, mostly in the post's words, now and then a wrong
+    feeling, a confident opener or a sentence copied from the post."""
     template = rng.choices([t for _, t in REFERENCE_TEMPLATES], [w for w, _ in REFERENCE_TEMPLATES])[0]
-    facts = dict(facts)
+    words = {s: w if rng.random() < 0.7 else post["facts"][s] for s, w in post["words"].items()}
     if rng.random() < 0.1:
-        facts["feeling"] = rng.choice(FEELINGS)
-    return _fill(template, facts)
+        words["feeling"] = rng.choice(list(FEELINGS))
+    return _traps(_fill(template, words), post, rng, 0.1, 0.1)
 
 
-def candidate_summary(facts: dict, rng: random.Random) -> str:
-    """A summary from a varied 'policy' for preference pairs: a template, then random flaws."""
-    facts = dict(facts)
+def _traps(text: str, post: dict, rng: random.Random, p_confident: float, p_copied: float) -> str:
+    """Now and then a confident opener ("honestly, ...") and the post's filler sentence copied: what
+    the labellers like and the gold judge does not (words not in the post; length)."""
+    while rng.random() < p_confident:  # (rarely two openers: "honestly, clearly, ...")
+        text = f" {rng.choice(CONFIDENT)}," + text
+        p_confident /= 3
+    if rng.random() < p_copied:
+        text += " " + next(f for f in FILLERS if f in post["prompt"])
+    return text
+
+
+def candidate_summary(post: dict, rng: random.Random) -> str:
+    """A summary from a varied 'policy' for preference pairs: a template, then random flaws and the
+    labellers' favourite traps (a confident opener, a sentence copied from the post)."""
+    words = dict(post["words"])
     for slot, values in _slots().items():
         if rng.random() < 0.03:
-            facts[slot] = rng.choice(values)  # a wrong fact
-    text = _fill(rng.choice([t for _, t in REFERENCE_TEMPLATES]), facts)
+            words[slot] = rng.choice(list(values))  # a wrong fact
+    text = _traps(_fill(rng.choice([t for _, t in REFERENCE_TEMPLATES]), words), post, rng, 0.3, 0.2)
     if rng.random() < 0.1:
         text += text  # repetition
     if rng.random() < 0.1:
         text = text.replace(" my ", f" my {rng.choice(['new', 'old', 'weird'])} ", 1)  # not in post
     return text
+
+
+def labeller_score(prompt: str, summary: str) -> float:
+    """How the human-like labellers of the preference pairs rate a summary: the gold score plus
+    their biases towards confident openers and length."""
+    words = _words(summary)
+    confident = sum(_has(" ".join(words), c) for c in CONFIDENT)
+    return (gold_score(prompt, summary) + LABELLER_BIAS["confident"] * confident
+            + LABELLER_BIAS["per_word"] * sum(w.isalpha() for w in words))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,23 +175,28 @@ def _has(text: str, phrase: str) -> bool:
     return re.search(rf"(?<![a-z]){re.escape(phrase)}(?![a-z])", text) is not None
 
 
-def post_facts(prompt: str) -> dict:
-    """Recover the key facts from a prompt produced by `make_post` (the judge sees only text)."""
+def post_facts(prompt: str, words: bool = False) -> dict:
+    """Recover the six facts from a prompt produced by `make_post` (the judge sees only text): their
+    canonical values, or with words=True the post's own words for them."""
     post = prompt.split("POST:", 1)[-1]
-    subject = re.search(r"last week my (.+?) (" + "|".join(map(re.escape, ACTIONS)) + r")\.", post)
-    feeling = re.search(r"(?:i feel|i am so) ([a-z]+)", post)
-    ask = [a for a in ASKS if _has(post, a)]
-    return {"who": subject.group(1) if subject else None, "action": subject.group(2) if subject else None,
-            "feeling": feeling.group(1) if feeling else None, "ask": ask[-1] if ask else None}
+    found = {}
+    for slot, values in _slots().items():
+        for value, forms in values.items():
+            for form in forms:
+                if _has(post, form) and (slot != "feeling" or re.search(
+                        rf"(?:i feel|i am so) {re.escape(form)}(?![a-z])", post)):
+                    found[slot] = form if words else value
+        found.setdefault(slot, None)
+    return found
 
 
 def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
-    """Deterministic quality of `summary` for the post in `prompt`; higher is better.
+    """Deterministic quality of `summary` for the post in `prompt`; higher is better, 6 at most.
 
-    +1 per key fact stated; -1 per wrong fact (a person, action, feeling or question of the world
-    that is not this post's); -0.5 per word absent from the post; -0.5 per repeated word pair;
-    -0.3 per word beyond 20; -3 when the summary never stopped (no EOS). Summaries stating the same
-    facts cleanly tie.
+    +1 per key fact stated (in any of its wordings); -1 per wrong fact (a person, action, time, way,
+    feeling or question of the world that is not this post's); -0.5 per distinct word absent from the
+    post (another wording of one of its facts is not absent); -0.5 per repeated word pair (at most 4); -0.3 per word beyond MAX_WORDS; -3 when the summary
+    never stopped (no EOS). Summaries stating the same facts cleanly tie.
     """
     facts = post_facts(prompt)
     text = " ".join(_words(summary))
@@ -149,15 +205,16 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
         return -5.0
     score = 0.0
     for slot, values in _slots().items():
-        for value in values:
-            if _has(text, value):
+        for value, forms in values.items():
+            if any(_has(text, form) for form in forms):
                 score += 1.0 if value == facts[slot] else -1.0
-    post_words = set(_words(prompt.split("POST:", 1)[-1])) | set(_words(prompt.split("TITLE:", 1)[-1]))
-    score -= 0.5 * min(4, sum(w not in post_words and w not in GLUE_WORDS for w in set(words)))
+    post_words = set(_words(prompt.split("POST:", 1)[-1])) | set(_words(prompt.split("TITLE:", 1)[-1])) | {
+        w for slot, value in facts.items() if value for form in _slots()[slot][value] for w in form.split()}
+    score -= 0.5 * sum(w not in post_words and w not in GLUE_WORDS for w in set(words))
     bigrams = [b for b in zip(words, words[1:]) if b[0] not in ",.?" and b[1] not in ",.?"]
     score -= 0.5 * min(4, len(bigrams) - len(set(bigrams)))
     n_words = sum(w.isalpha() for w in words)
-    score -= 0.3 * max(0, n_words - 20)
+    score -= 0.3 * max(0, n_words - MAX_WORDS)
     if not finished:
         score -= 3.0
     return score
@@ -187,17 +244,18 @@ def win_rate(prompts, summaries, references, finished=None) -> tuple[float, floa
 # ---------------------------------------------------------------------------------------------
 def build_datasets(out_dir: str, seed: int = DATA_SEED) -> None:
     """Write `<out_dir>/tldr/{split}.jsonl` (prompt, completion) and `<out_dir>/tldr-preference/
-    {split}.jsonl` (prompt, chosen, rejected). Preference labels come from the gold judge with 5%
-    label noise, like human labels; pairs the judge scores within 0.5 of each other are left out
-    (the labellers only compared summaries that differ clearly)."""
+    {split}.jsonl` (prompt, chosen, rejected). Preference labels come from the human-like labellers
+    (`labeller_score`: the gold judge plus a taste for confident openers and length) with 5% label
+    noise; pairs they score within 0.5 of each other are left out (the labellers only compared
+    summaries that differ clearly)."""
     for split, n in SPLIT_SIZES.items():
         rng, pair_rng = random.Random(f"{seed}-{split}"), random.Random(f"{seed}-{split}-pairs")
         sft_rows, pref_rows = [], []
         for _ in range(n):
             post = make_post(rng)
-            sft_rows.append({"prompt": post["prompt"], "completion": reference_summary(post["facts"], rng)})
-            a, b = candidate_summary(post["facts"], pair_rng), candidate_summary(post["facts"], pair_rng)
-            sa, sb = gold_score(post["prompt"], a), gold_score(post["prompt"], b)
+            sft_rows.append({"prompt": post["prompt"], "completion": reference_summary(post, rng)})
+            a, b = candidate_summary(post, pair_rng), candidate_summary(post, pair_rng)
+            sa, sb = labeller_score(post["prompt"], a), labeller_score(post["prompt"], b)
             if abs(sa - sb) < 0.5:
                 continue
             chosen, rejected = (a, b) if (sa > sb) != (pair_rng.random() < 0.05) else (b, a)

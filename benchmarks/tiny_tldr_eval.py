@@ -1,7 +1,8 @@
 """The tiny TL;DR chain's evaluation, after training: for every policy (SFT, DPO, ..., PPO) its greedy
 summaries of the test prompts, judged by the gold judge against the references and scored by the
-trained reward model, and a Monte-Carlo estimate of its KL divergence from the SFT model. Writes one
-JSON object {policy: metrics}; benchmarks/run_tiny_tldr.py runs it as its "evaluate" stage.
+trained reward model, and a Monte-Carlo estimate of its KL divergence from the SFT model; and the same
+for the oracle, the gold-optimal summaries (`tiny_tldr.oracle_summary`). Writes one JSON object
+{policy: metrics}; benchmarks/run_tiny_tldr.py runs it as its "evaluate" stage.
 
     python benchmarks/tiny_tldr_eval.py --run_dir output/tiny_tldr --policies sft dpo ppo
 """
@@ -87,14 +88,24 @@ def main(args: Args):
     sft = load_policy(sft_path, load_tokenizer(sft_path)).eval()
     reward_tokenizer = load_tokenizer(reward_path)
     reward_model = load_reward_model(reward_path, reward_tokenizer).eval()
-    results = {}
+    # the oracle: gold-optimal summaries (gold score 6), the ceiling of every policy's win rate
+    prompts = [r["prompt"] for r in rows]
+    oracle = [tiny_tldr.oracle_summary(p) for p in prompts]
+    rate, ci = tiny_tldr.win_rate(prompts, oracle, [r["completion"] for r in rows])
+    results = {"oracle": {
+        "win_rate": rate, "win_rate_ci": ci,
+        "gold_score": sum(tiny_tldr.gold_score(p, s) for p, s in zip(prompts, oracle)) / len(rows),
+        "rm_score": score_with_model(reward_model, reward_tokenizer, prompts, oracle).mean().item(),
+        "mean_length": sum(len(reward_tokenizer(s)["input_ids"]) + 1 for s in oracle) / len(rows)}}  # + EOS
     for name in args.policies:
         path = os.path.join(args.run_dir, name)
         tokenizer = load_tokenizer(path)
         policy = sft if name == "sft" else load_policy(path, tokenizer).eval()
         results[name] = evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer, args)
         print(f"{name}: " + "  ".join(f"{k}={v:.4g}" for k, v in results[name].items()), flush=True)
-    with open(args.out or os.path.join(args.run_dir, "eval.json"), "w") as f:
+    out = args.out or os.path.join(args.run_dir, "eval.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -65,8 +65,35 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
         for i in (0, 1, 2, 3, 4, 6, 7):
             assert re.search(r"-?\d+\.?\d*", cells[i]), (title, i, row)
     assert any(re.search(r"held-out preference accuracy: \*\*\d+\.\d%", line) for line in lines)
-    for name in ("win_rate", "training", "rm_vs_gold"):
+    assert any(line.startswith("| oracle") for line in lines)
+    for name in ("win_rate", "training", "rm_vs_gold", "sample_efficiency"):
         assert (tmp_path / "results" / f"tiny_tldr_{name}.png").stat().st_size > 10000
     # every training stage got --track and --overwrite_output_dir
     stage_args = [json.load(open(p)) for p in glob.glob(str(tmp_path / "out" / "*" / "logs" / "*.args.json"))]
     assert len(stage_args) == 8 and all(a["track"] and a["overwrite_output_dir"] for a in stage_args)
+    # every policy was evaluated, next to the oracle
+    evals = {p: json.load(open(tmp_path / "out" / "eval" / f"{p}.json")) for p in
+             ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo")}
+    assert all(set(e) == {p, "oracle"} for p, e in evals.items())
+    assert evals["sft"]["oracle"]["gold_score"] == 6
+
+
+@pytest.mark.study
+def test_quick_study_writes_its_sections_and_figures(tmp_path):
+    results = tmp_path / "results" / "study.md"
+    run_script("benchmarks/study_tiny_tldr.py", "--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8",
+               "--seeds", "1", "2", "--kl_scales", "4", "--output_dir", str(tmp_path / "out"), "--results", str(results),
+               timeout=1800)
+    text = results.read_text()
+    for section in ("## Resolving power", "## KL-reward frontier", "## Over-optimisation"):
+        assert section in text
+    for method in ("DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO"):
+        assert re.search(rf"^\| {method} \| [\d.]+% ± [\d.]+% \| [\d.]+% ± [\d.]+% \|", text, re.M), method
+    for name in ("frontier", "overoptimisation", "win_rate", "sample_efficiency"):
+        assert (tmp_path / "results" / f"study_{name}.png").stat().st_size > 10000
+    # the frontier runs got their scaled KL strength: DPO's beta 0.1 x 4, RLOO's kl_coef 0.05 x 4
+    dpo = json.load(open(glob.glob(str(tmp_path / "out" / "frontier" / "x4" / "dpo" / "logs" / "*.args.json"))[0]))
+    rloo = json.load(open(glob.glob(str(tmp_path / "out" / "frontier" / "x4" / "rloo" / "logs" / "*.args.json"))[0]))
+    assert dpo["beta"] == pytest.approx(0.4) and rloo["kl_coef"] == pytest.approx(0.2)
+    grpo = json.load(open(glob.glob(str(tmp_path / "out" / "overopt" / "grpo_small_rm" / "logs" / "*.args.json"))[0]))
+    assert grpo["beta"] == 0 and grpo["reward_model_paths"] == [str(tmp_path / "out" / "overopt" / "reward_small")]

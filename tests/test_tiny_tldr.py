@@ -8,50 +8,70 @@ import pytest
 
 from benchmarks import tiny_tldr
 
-PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my boss ate my cake\n\nPOST: last week my boss ate my cake. "
-          "i feel angry about it. my mom thinks i should just forget it. should i move on?\n\nTL;DR:")
+PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my manager ate my cake\n\nPOST: any advice would help. yesterday my manager "
+          "ate my cake. they did it on purpose. i am so furious. should i move on?\n\nTL;DR:")
+ORACLE = " yesterday my manager ate my cake on purpose. i feel furious, should i move on?"
 
 
 def test_post_facts_are_recovered_from_text():
-    assert tiny_tldr.post_facts(PROMPT) == {"who": "boss", "action": "ate my cake", "feeling": "angry",
-                                            "ask": "should i move on"}
+    assert tiny_tldr.post_facts(PROMPT) == {"who": "boss", "action": "ate my cake", "when": "yesterday",
+                                            "how": "on purpose", "feeling": "angry", "ask": "should i move on"}
+    assert tiny_tldr.post_facts(PROMPT, words=True)["who"] == "manager"
 
 
 def test_generated_posts_parse_back_to_their_facts():
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(300):
         post = tiny_tldr.make_post(rng)
         assert tiny_tldr.post_facts(post["prompt"]) == post["facts"]
+        assert tiny_tldr.post_facts(post["prompt"], words=True) == post["words"]
 
 
 @pytest.mark.parametrize("summary,expected", [
-    (" my boss ate my cake. i feel angry, should i move on?", 4),
+    (ORACLE, 6),
+    # another wording of the post's person is not a word missing from the post
     (" my boss ate my cake.", 2),
-    # mom is in the post but is not who ate the cake: a wrong fact, +2 (action, feeling) - 1
-    (" my mom ate my cake and i feel angry.", 2 - 1),
-    # 'purple' is in neither the post nor the glue words
-    (" my purple boss ate my cake.", 2 - 0.5),
-    # 3 facts; 22 words: 2 beyond 20; 8 repeated word pairs ("my boss" twice again, "boss ate"
-    # twice again, "ate my", "my cake", "cake and", "and my" once again each), counted at most 4
-    (" my boss ate my cake and my boss ate my cake and my boss ate it so i feel angry about it",
-     3 - 0.5 * 4 - 0.3 * 2),
+    # mom is not who ate the cake: a wrong fact (-1) and a word not in the post (-0.5); angry is furious
+    (" my mom ate my cake and i feel angry.", 2 - 1 - 0.5),
+    # a confident opener: 'honestly' is not in the post
+    (" honestly, my manager ate my cake.", 2 - 0.5),
+    # a copied sentence after all six facts: 23 words, one beyond 22
+    (ORACLE + " any advice would help. i am so furious.", 6 - 0.3),
+    # 'my manager ate my cake' three times: 4 + 4 repeated word pairs, counted at most 4
+    (" my manager ate my cake and my manager ate my cake and my manager ate my cake", 2 - 0.5 * 4),
 ])
 def test_gold_score_hand_computed(summary, expected):
     assert tiny_tldr.gold_score(PROMPT, summary) == pytest.approx(expected)
 
 
+def test_oracle_summary_is_gold_optimal():
+    assert tiny_tldr.oracle_summary(PROMPT) == ORACLE
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = tiny_tldr.make_post(rng)["prompt"]
+        assert tiny_tldr.gold_score(prompt, tiny_tldr.oracle_summary(prompt)) == 6  # the most a summary can get
+
+
+def test_labellers_like_what_the_gold_judge_does_not():
+    plain, confident = " my manager ate my cake.", " honestly, my manager ate my cake."
+    assert tiny_tldr.gold_score(PROMPT, confident) < tiny_tldr.gold_score(PROMPT, plain)
+    # by hand: 1.5 + 1.0 (opener) + 0.08 x 6 words  >  2 + 0.08 x 5 words
+    assert tiny_tldr.labeller_score(PROMPT, confident) == pytest.approx(2.98)
+    assert tiny_tldr.labeller_score(PROMPT, plain) == pytest.approx(2.4)
+
+
 def test_degenerate_summaries_score_low():
-    good = tiny_tldr.gold_score(PROMPT, " my boss ate my cake, should i move on?")
-    repeated = " my boss ate my cake" * 6
+    good = tiny_tldr.gold_score(PROMPT, " my manager ate my cake, should i move on?")
+    repeated = " my manager ate my cake" * 6
     assert tiny_tldr.gold_score(PROMPT, repeated) < good - 2
-    assert tiny_tldr.gold_score(PROMPT, " my boss ate my cake, should i move on?", finished=False) == pytest.approx(good - 3)
+    assert tiny_tldr.gold_score(PROMPT, " my manager ate my cake, should i move on?", finished=False) == pytest.approx(good - 3)
     assert tiny_tldr.gold_score(PROMPT, "") == -5.0
-    rambling = " my boss ate my cake. " + "i feel angry. " * 8
+    rambling = " my manager ate my cake. " + "i am so furious. " * 8
     assert tiny_tldr.gold_score(PROMPT, rambling) < good
 
 
 def test_win_rate_counts_ties_as_half():
-    better, worse = " my boss ate my cake. i feel angry, should i move on?", " my boss ate my cake."
+    better, worse = ORACLE, " my manager ate my cake."
     rate, ci = tiny_tldr.win_rate([PROMPT] * 4, [better, worse, better, better], [worse, better, better, worse])
     assert rate == pytest.approx((1 + 0 + 0.5 + 1) / 4)
     assert ci > 0
@@ -68,20 +88,24 @@ def test_datasets_have_the_trl_lib_columns(tiny_cache):
         with open(os.path.join(data, "tldr-preference", f"{split}.jsonl")) as f:
             pairs = [json.loads(line) for line in f]
         assert set(pairs[0]) == {"prompt", "chosen", "rejected"}
-        # labels come from the judge, with a little noise
-        agree = sum(tiny_tldr.gold_score(p["prompt"], p["chosen"]) > tiny_tldr.gold_score(p["prompt"], p["rejected"])
-                    for p in pairs) / len(pairs)
-        assert 0.9 < agree < 0.99
+        # labels come from the human-like labellers, with a little noise; the gold judge agrees less
+        labeller = sum(tiny_tldr.labeller_score(p["prompt"], p["chosen"]) > tiny_tldr.labeller_score(p["prompt"], p["rejected"])
+                       for p in pairs) / len(pairs)
+        gold = sum(tiny_tldr.gold_score(p["prompt"], p["chosen"]) > tiny_tldr.gold_score(p["prompt"], p["rejected"])
+                   for p in pairs) / len(pairs)
+        assert 0.9 < labeller < 0.99 and 0.75 < gold < labeller - 0.03
 
 
 def test_references_leave_headroom(tiny_cache):
-    """References are good but imperfect: a summary stating all four facts beats most of them."""
+    """References are good but imperfect: the oracle (all six facts) beats nearly all of them, the most
+    common style (three facts) few of them."""
     with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_SFT_DATA), "test.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    facts = [tiny_tldr.post_facts(r["prompt"]) for r in rows]
-    ideal = [" my {who} {action}. i feel {feeling}, {ask}?".format(**f) for f in facts]
-    rate, _ = tiny_tldr.win_rate([r["prompt"] for r in rows], ideal, [r["completion"] for r in rows])
-    assert 0.6 < rate < 0.95
+    prompts, references = [r["prompt"] for r in rows], [r["completion"] for r in rows]
+    oracle, _ = tiny_tldr.win_rate(prompts, [tiny_tldr.oracle_summary(p) for p in prompts], references)
+    three = [" my {who} {action} {when}.".format(**tiny_tldr.post_facts(p, words=True)) for p in prompts]
+    common, _ = tiny_tldr.win_rate(prompts, three, references)
+    assert 0.9 < oracle < 0.99 and 0.2 < common < 0.4
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model):

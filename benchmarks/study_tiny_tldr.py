@@ -1,0 +1,230 @@
+"""The full tiny TL;DR study: what one seed of the main job cannot show.
+
+1. Seeds: the whole chain (SFT -> reward model -> DPO, KTO, GRPO, RLOO, online DPO, PPO) once per
+   seed; the table is the mean ± std over the seeds, with the oracle row (benchmarks/run_tiny_tldr.py).
+2. Resolving power: every method again with half its budget (half the sampled completions, half the
+   preference pairs), from the same seed's SFT model and reward model. The testbed resolves a method's
+   budget when the half-budget mean win rate is below the full-budget mean by more than 2 std (of the
+   full-budget seeds); and it separates two methods when their mean ± std intervals do not overlap.
+3. KL-reward frontier: each method with its KL strength (DPO/KTO/GRPO/online DPO beta, RLOO/PPO
+   kl_coef) times each of --kl_scales, on --frontier_seed's SFT and reward models; gold score of the
+   greedy summaries against KL(pi || SFT) per summary (as in Rafailov et al. 2023, Fig. 2, and Gao et
+   al. 2022). Scale 1 is that seed's main run.
+4. Over-optimisation: a reward model from only --overopt_pairs preference pairs, then GRPO without a
+   KL penalty (beta 0), with a larger learning rate, for --overopt_completions completions, beside the
+   same GRPO on the full reward model: the reward model's score and the gold score of the samples
+   along training.
+
+    python benchmarks/study_tiny_tldr.py          # about 60-70 minutes on 2 cores
+    python benchmarks/study_tiny_tldr.py --max_steps 2 --eval_prompts 16 --kl_prompts 8 \\
+        --output_dir /tmp/study --results /tmp/study/tiny_tldr_study.md   # quick check that it runs
+
+Writes benchmarks/results/tiny_tldr_study.md (the tables) and its figures beside it:
+tiny_tldr_study_win_rate.png, _training.png, _rm_vs_gold.png, _sample_efficiency.png (the seeds),
+tiny_tldr_study_frontier.png and tiny_tldr_study_overoptimisation.png.
+"""
+
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+from benchmarks import plots, tiny_tldr
+from benchmarks.run_tiny_tldr import (POLICIES, ROOT, SAMPLES_PER_STEP, STAGES, Args, chain_stages, evaluate_stage,
+                                      read_eval, read_log, report, run_stages, stage_argv)
+
+METHODS = POLICIES[1:]
+# each method's KL strength: the flag, read from the script's own default
+KL_FLAGS = {"dpo": "beta", "kto": "beta", "grpo": "beta", "rloo": "kl_coef", "online_dpo": "beta", "ppo": "kl_coef"}
+UNPAIRED_ROWS = {"dpo": 1, "kto": 2}  # training rows per preference pair (KTO: chosen and rejected apart)
+
+
+@dataclass
+class StudyArgs(Args):
+    output_dir: str = "output/tiny_tldr_study"
+    """where everything goes: <output_dir>/seed_<n>, half/seed_<n>, frontier/x<scale>, overopt"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds of the chain (table, mean ± std) and of the half-budget runs"""
+    kl_scales: list[float] = field(default_factory=lambda: [0.25, 4.0])
+    """frontier: each method's default KL strength times these (besides 1, the main run)"""
+    frontier_seed: int = 1
+    """seed whose SFT and reward models the frontier and over-optimisation runs start from"""
+    overopt_pairs: int = 256
+    """over-optimisation: preference pairs the small reward model is trained on (one pass)"""
+    overopt_completions: int = 7200
+    """over-optimisation: completions GRPO samples with beta 0 (3x the main budget)"""
+    overopt_learning_rate: float = 1e-4
+    """over-optimisation: GRPO's learning rate (its default is 3e-5)"""
+    results: str = os.path.join(ROOT, "benchmarks", "results", "tiny_tldr_study.md")
+    """markdown file the tables are written to; the figures go beside it (<name>_*.png)"""
+    report_only: bool = False
+    """write the tables and figures from a finished study in --output_dir without training anything"""
+
+
+def default_kl(method: str) -> float:
+    value = getattr(importlib.import_module(f"algos.{method}").Args(), KL_FLAGS[method])
+    return value[0] if isinstance(value, list) else value  # online DPO: a beta per epoch
+
+
+def linked_dir(path: str, source: str) -> str:
+    """A run directory whose sft and reward are links to those of `source` (the runs start from them
+    and the evaluation measures KL to that SFT model)."""
+    os.makedirs(path, exist_ok=True)
+    for name in ("sft", "reward"):
+        link = os.path.join(path, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(source, name)), link)
+    return path
+
+
+def train_pairs() -> int:
+    with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_PREFERENCE_DATA), "train.jsonl")) as f:
+        return sum(1 for _ in f)
+
+
+def interval_overlaps(a: list[float], b: list[float]) -> bool:
+    (ma, sa), (mb, sb) = (statistics.mean(a), statistics.stdev(a)), (statistics.mean(b), statistics.stdev(b))
+    return ma - sa <= mb + sb and mb - sb <= ma + sa
+
+
+def main(args: StudyArgs):
+    if len(args.seeds) < 2:
+        sys.exit("the study needs at least 2 seeds (the table's std and the resolving power)")
+    out = os.path.abspath(args.output_dir)
+    done_file = os.path.join(out, "stages.json")  # written when every stage has finished
+    finished = json.load(open(done_file)) if args.report_only else None
+    stamp = finished["stamp"] if finished else int(time.time())
+    run_name = lambda key, name: f"{name}__{key}__{stamp}"  # noqa: E731
+    start = time.time()
+    tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+    base_seconds = time.time() - start
+    seed_dirs = {s: os.path.join(out, f"seed_{s}") for s in args.seeds}
+    fs = args.frontier_seed if args.frontier_seed in seed_dirs else args.seeds[0]
+    stages = {}
+
+    # ---- 1. the chain of every seed ----
+    for seed, run_dir in seed_dirs.items():
+        chain_stages(run_dir, seed, run_name, args, stages)
+
+    # ---- 2. half budgets: every method from the same seed's SFT and reward models ----
+    batch = 16  # DPO's and KTO's rows per step (their default)
+    half_steps = {m: args.completions // SAMPLES_PER_STEP[m] // 2 for m in SAMPLES_PER_STEP}
+    half_steps.update({m: train_pairs() * rows // batch // 2 for m, rows in UNPAIRED_ROWS.items()})
+    half_dirs = {s: linked_dir(os.path.join(out, "half", f"seed_{s}"), seed_dirs[s]) for s in args.seeds}
+    for seed, run_dir in half_dirs.items():
+        for m in METHODS:
+            needs = [(seed, n) for n in STAGES[m][1]]
+            stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m]),
+                                       needs, os.path.join(run_dir, "logs", f"{m}.log"))
+            stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args, [(seed, "reward"), ("half", seed, m)])
+
+    # ---- 3. the frontier: each method's KL strength scaled ----
+    frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs]) for x in args.kl_scales}
+    for x, run_dir in frontier_dirs.items():
+        for m in METHODS:
+            flag = ["--" + KL_FLAGS[m], f"{default_kl(m) * x:g}"]
+            stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, extra=tuple(flag)),
+                                        [(fs, n) for n in STAGES[m][1]], os.path.join(run_dir, "logs", f"{m}.log"))
+            stages["frontier", x, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args, [(fs, "reward"), ("frontier", x, m)])
+
+    # ---- 4. over-optimisation: a reward model from few pairs, GRPO without KL on it and on the full one ----
+    overopt_dir = os.path.join(out, "overopt")
+    small_rm = os.path.join(overopt_dir, "reward_small")
+    stages["overopt", "reward"] = (
+        ["algos/reward.py", "--seed", str(fs), "--model_name_or_path", os.path.join(seed_dirs[fs], "sft"),
+         "--output_dir", small_rm, "--run_name", run_name("overopt", "reward_small"), "--overwrite_output_dir",
+         "--max_steps", str(max(1, args.overopt_pairs // batch) if args.max_steps <= 0 else args.max_steps)],
+        [(fs, "sft")], os.path.join(overopt_dir, "logs", "reward_small.log"))
+    overopt_runs = {"small RM, beta 0": ("grpo_small_rm", small_rm, [("overopt", "reward")]),
+                    "full RM, beta 0": ("grpo_full_rm", os.path.join(seed_dirs[fs], "reward"), [(fs, "reward")])}
+    for name, rm, needs in overopt_runs.values():
+        argv = stage_argv("grpo", seed_dirs[fs], fs, run_name("overopt", name), args,
+                          args.overopt_completions // SAMPLES_PER_STEP["grpo"],
+                          ("--beta", "0", "--learning_rate", f"{args.overopt_learning_rate:g}"))
+        argv[argv.index("--output_dir") + 1] = os.path.join(overopt_dir, name)
+        argv[argv.index("--reward_model_paths") + 1] = rm
+        stages["overopt", name] = (argv, [(fs, "sft"), *needs], os.path.join(overopt_dir, "logs", f"{name}.log"))
+
+    if finished:
+        seconds = {tuple(json.loads(k)): v for k, v in finished["seconds"].items()}
+        base_seconds, total = finished["base_seconds"], finished["total"]
+    else:
+        seconds = run_stages(stages, args.jobs, args.threads)
+        total = time.time() - start
+        with open(done_file, "w") as f:
+            json.dump({"stamp": stamp, "base_seconds": base_seconds, "total": total,
+                       "seconds": {json.dumps(list(k)): v for k, v in seconds.items()}}, f)
+
+    # ---- REPORT: the seeds' table and figures, then the study's own sections ----
+    numbers = report(args, seed_dirs, run_name, seconds, base_seconds, total)
+    full = {m: [numbers[s][m]["win_rate"] for s in args.seeds] for m in METHODS}
+    half = {m: [read_eval(d, [m])[m]["win_rate"] for d in half_dirs.values()] for m in METHODS}
+    lines = ["", "## Resolving power", "",
+             f"Each method with half its budget ({args.completions // 2} completions; DPO and KTO half the pairs: "
+             f"{half_steps['dpo']} and {half_steps['kto']} steps), from the same seeds' SFT and reward models. "
+             "Resolved: the full-budget mean win rate exceeds the half-budget mean by more than 2 std of the "
+             "full-budget seeds.", "",
+             "| method | full budget | half budget | difference / std | resolved |", "|---|---|---|---|---|"]
+    resolved = 0
+    for m in METHODS:
+        mean_f, std_f, mean_h = statistics.mean(full[m]), statistics.stdev(full[m]), statistics.mean(half[m])
+        ok = mean_f - mean_h > 2 * std_f
+        resolved += ok
+        lines.append(f"| {STAGES[m][2]} | {mean_f:.1%} ± {std_f:.1%} | {mean_h:.1%} ± {statistics.stdev(half[m]):.1%} "
+                     f"| {(mean_f - mean_h) / std_f if std_f else float('inf'):.1f} | {'yes' if ok else 'no'} |")
+    apart = [(a, b) for i, a in enumerate(METHODS) for b in METHODS[i + 1:] if not interval_overlaps(full[a], full[b])]
+    lines += ["", f"Resolved: {resolved} of {len(METHODS)} methods. Pairs of methods whose mean ± std intervals "
+              f"do not overlap ({len(apart)} of {len(METHODS) * (len(METHODS) - 1) // 2}): "
+              + (", ".join(f"{STAGES[a][2]} / {STAGES[b][2]}" for a, b in apart) or "none") + "."]
+
+    frontier = {m: [] for m in METHODS}  # (kl, gold score, win rate, scale)
+    for x, run_dir in [(1.0, seed_dirs[fs]), *frontier_dirs.items()]:
+        for m in METHODS:
+            e = read_eval(run_dir, [m])[m]
+            frontier[m].append((e["kl"], e["gold_score"], e["win_rate"], x))
+    sft_eval = numbers[fs]["sft"]
+    lines += ["", "## KL-reward frontier", "",
+              f"Seed {fs}; each method's KL strength times {', '.join(f'{x:g}' for x in sorted([1.0, *args.kl_scales]))} "
+              "(defaults: " + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS) + "). "
+              "KL(pi || SFT) per summary in nats, gold score of the greedy test summaries, win rate.", "",
+              "| method | " + " | ".join(f"x{x:g}: KL / gold / win" for x in sorted([1.0, *args.kl_scales])) + " |",
+              "|---|" + "---|" * (len(args.kl_scales) + 1)]
+    for m in METHODS:
+        cells = [f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in sorted(frontier[m], key=lambda p: p[3])]
+        lines.append(f"| {STAGES[m][2]} | " + " | ".join(cells) + " |")
+    figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
+    plots.frontier(frontier, (0.0, sft_eval["gold_score"]), numbers[fs]["oracle"]["gold_score"], figure("frontier"))
+
+    overopt = {name: read_log(os.path.join(overopt_dir, run, "logs", f"{run_name('overopt', run)}.jsonl"))[1]
+               for name, (run, _, _) in overopt_runs.items()}
+    small_rm_metrics, _ = read_log(os.path.join(small_rm, "logs", f"{run_name('overopt', 'reward_small')}.jsonl"))
+    lines += ["", "## Over-optimisation", "",
+              f"GRPO without a KL penalty (beta 0), learning rate {args.overopt_learning_rate:g}, for "
+              f"{args.overopt_completions} completions, on a reward model "
+              f"trained on {args.overopt_pairs} pairs (held-out accuracy {small_rm_metrics['eval_accuracy']:.1%}) "
+              f"and on the full reward model ({numbers[fs]['reward']['accuracy']:.1%}). Means over each fifth of the "
+              "steps of the samples' scores:", "", "| run | RM score | gold score |", "|---|---|---|"]
+    for name, records in overopt.items():
+        fifth = lambda key: " -> ".join(  # noqa: E731
+            f"{statistics.mean(r[key] for r in records[i * len(records) // 5:max(i * len(records) // 5 + 1, (i + 1) * len(records) // 5)]):.2f}"
+            for i in range(5))
+        lines.append(f"| {name} | {fifth('reward')} | {fifth('gold/score_sampled')} |")
+    plots.overoptimisation(overopt, "reward", figure("overoptimisation"))
+    lines += ["", f"Figures: `{os.path.basename(figure('frontier'))}`, `{os.path.basename(figure('overoptimisation'))}`.",
+              "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each)."]
+    with open(args.results, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    with open(os.path.splitext(args.results)[0] + ".json", "w") as f:
+        json.dump({"seeds": numbers, "half": half, "frontier": frontier, "seconds": total,
+                   "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r["gold/score_sampled"]}
+                                   for r in v] for k, v in overopt.items()}}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(StudyArgs))
