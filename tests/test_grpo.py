@@ -136,7 +136,7 @@ def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):
 def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "grpo")
     run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
-               "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "24",
+               "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "40",
                "--per_device_train_batch_size", "32", "--num_generations", "4", "--learning_rate", "2e-3",
                "--max_completion_length", "16", "--num_iterations", "2", "--gold_eval_split", "", "--output_dir", out)
     log = read_log(out)
