@@ -10,6 +10,12 @@ COLORS = {"sft": "tab:gray", "dpo": "tab:blue", "kto": "tab:cyan", "grpo": "tab:
           "online_dpo": "tab:purple", "ppo": "tab:red"}
 
 
+def save(fig, path: str):
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (the first points average what there is)."""
     out, total = [], 0.0
@@ -36,9 +42,7 @@ def win_rate_bars(labels: list[str], names: list[str], rates: list[float], error
     ax.set_ylim(0, 100)
     ax.set_title(f"Tiny TL;DR: greedy test summaries ({error_label})", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def training_curves(runs: dict[str, list[list[dict]]], keys: dict[str, tuple[str, str]], path: str):
@@ -61,9 +65,7 @@ def training_curves(runs: dict[str, list[list[dict]]], keys: dict[str, tuple[str
     fig.suptitle("Online runs along training (thin: per step; thick: moving average over a tenth of the steps). "
                  "KL as each script logs it: grpo's kl is the per-token k3 mean, objective/kl the per-sequence sum "
                  "of log pi - log pi_ref", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def rm_vs_gold(runs: dict[str, list[list[dict]]], keys: dict[str, str], path: str):
@@ -83,9 +85,7 @@ def rm_vs_gold(runs: dict[str, list[list[dict]]], keys: dict[str, str], path: st
     ax.set_ylabel("gold score of the same completions")
     ax.set_title("Along training, each point a tenth of the steps (circle: the first)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: str):
@@ -105,9 +105,7 @@ def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: st
     ax.set_ylabel("gold score of the sampled completions")
     ax.set_title("Sample efficiency of the online methods (equal budgets)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def frontier(points: dict[str, list[tuple]], sft: tuple[float, float], oracle: float, path: str):
@@ -127,9 +125,7 @@ def frontier(points: dict[str, list[tuple]], sft: tuple[float, float], oracle: f
     ax.set_ylabel("gold score of the greedy test summaries")
     ax.set_title("KL-reward frontier (labels: multiple of the default KL strength)", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def overoptimisation(runs: dict[str, list[dict]], reward_key: str, path: str):
@@ -149,6 +145,4 @@ def overoptimisation(runs: dict[str, list[dict]], reward_key: str, path: str):
         ax.legend(fontsize=8)
     fig.suptitle("Over-optimisation: GRPO without KL pushes its reward model's score up; the gold score "
                  "shows what that buys", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
