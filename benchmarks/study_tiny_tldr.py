@@ -50,7 +50,7 @@ class StudyArgs(Args):
     """where everything goes: <output_dir>/seed_<n>, half/seed_<n>, frontier/x<scale>, overopt"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of the chain (table, mean ± std) and of the half-budget runs"""
-    kl_scales: list[float] = field(default_factory=lambda: [0.25, 4.0])
+    kl_scales: list[float] = field(default_factory=lambda: [0.1, 10.0])
     """frontier: each method's default KL strength times these (besides 1, the main run)"""
     frontier_seed: int = 1
     """seed whose SFT and reward models the frontier and over-optimisation runs start from"""
