@@ -278,7 +278,7 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
 
     # ---- WRITE the tables and the figures ----
     n, several = len(args.seeds), len(args.seeds) > 1
-    command = " ".join(["python benchmarks/run_tiny_tldr.py", *sys.argv[1:]])
+    command = " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *(a for a in sys.argv[1:] if a != "--report_only")])
     header = (
         f"Tiny TL;DR, produced {datetime.date.today()} by `{command}` (seed{'s' if several else ''} "
         f"{', '.join(map(str, args.seeds))}) on {os.cpu_count()} CPU cores ({platform.machine()}), {args.jobs} stages "
