@@ -176,6 +176,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then exact, not noisy (as TRL)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -388,18 +390,17 @@ def main(args: Args):
         gathered = accelerator.gather(local).view(world, per_rank, 2)
         return torch.stack([gathered[j % world, j // world] for j in range(len(examples))])
 
-    train_ref = eval_ref = None
-    if args.precompute_ref_logps and not args.reference_free:
-        train_ref, eval_ref = precompute(train_examples), precompute(eval_examples) if eval_examples else None
-        ref_model = None  # frees its memory: only the cached logprobs are needed from now on
-        gc.collect()
-        accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; reference model freed")
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
+    train_ref = eval_ref = None  # after prepare: with LoRA the reference is the prepared policy, adapters off
+    if args.precompute_ref_logps and not args.reference_free:
+        train_ref, eval_ref = precompute(train_examples), precompute(eval_examples) if eval_examples else None
+        ref_model = None  # frees its memory: only the cached logprobs are needed from now on
+        gc.collect()
+        accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; reference model freed")
     checkpointer = Checkpointer(args, accelerator, scheduler)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
@@ -496,7 +497,8 @@ def main(args: Args):
         for _ in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
                 loss, stats = pair_stats(next(batches), train_examples, train_ref, model, train=True)
-                accelerator.backward(loss)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=loss, grad_norm=grad_norm):

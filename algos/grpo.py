@@ -173,6 +173,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's ratio is 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -397,7 +399,8 @@ def main(args: Args):
                     loss, ratio = grpo_loss(logps, old, ref_logps[m], advantages[s], loss_mask[s], args.loss_type,
                                             args.epsilon, epsilon_high, args.beta, args.importance_sampling_level,
                                             args.max_completion_length, num_items, is_weights)
-                    accelerator.backward(loss)
+                    if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                        accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):

@@ -150,6 +150,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then exact, not noisy (as TRL)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -419,7 +421,8 @@ def main(args: Args):
         for examples, ref_m in zip(micro, ref_logps):
             with accelerator.accumulate(model):
                 loss, sums = batch_stats(examples, model, z0, ref_m)
-                accelerator.backward(loss)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=loss, grad_norm=grad_norm):

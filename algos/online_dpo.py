@@ -152,6 +152,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then exact, not noisy (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -325,7 +327,8 @@ def main(args: Args):
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
                                                              ref_logps[rows_r], beta, args.loss_type)
                 loss = (losses * ranked).sum() / len(losses)
-                accelerator.backward(loss)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):

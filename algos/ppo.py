@@ -167,6 +167,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are then exact, and the first pass's ratio is 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -421,7 +423,8 @@ def main(args: Args):
                                                                             args.cliprange, is_weights)
                         vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m, args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
-                        accelerator.backward(loss)
+                        if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                            accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                             if not checkpointer.finite(loss=loss.detach(), grad_norm=grad_norm):

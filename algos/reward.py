@@ -13,6 +13,7 @@ model P(y_c > y_r | x) = sigmoid(r(x, y_c) - r(x, y_r)), so the loss is
         --dataset_name trl-lib/tldr-preference --output_dir output/pythia-1b-rm --learning_rate 3e-6 ...
 """
 
+import contextlib
 import math
 import os
 import random
@@ -28,8 +29,8 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
-from common.generation import pad
-from common.models import adapt, hint_learning_rate, load_reward_model, load_tokenizer
+from common.generation import pad, unwrapped_for_generation
+from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -190,7 +191,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Preference accuracy, loss and mean rewards over the eval pairs (all processes)."""
     model.eval()
     sums = torch.zeros(5, device=accelerator.device)  # correct, loss, chosen, rejected, count
-    shard = eval_examples[accelerator.process_index::accelerator.num_processes]
+    world = accelerator.num_processes  # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
         chosen, rejected, margin = rewards_of(model, collate(shard[i:i + args.per_device_eval_batch_size],
                                                             tokenizer.pad_token_id), accelerator.device)
@@ -205,11 +207,13 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
 
 def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator):
     """A few eval pairs with the rewards the model gives them."""
-    if not accelerator.is_main_process or args.num_sample_pairs <= 0:
+    if args.num_sample_pairs <= 0:
         return
     examples = eval_examples[:args.num_sample_pairs]
-    with torch.no_grad():
-        chosen, rejected, _ = rewards_of(model, collate(examples, tokenizer.pad_token_id), accelerator.device)
+    with unwrapped_for_generation(accelerator, model) as unwrapped, torch.no_grad():  # all ranks: ZeRO-3 gathers
+        if not accelerator.is_main_process:
+            return
+        chosen, rejected, _ = rewards_of(unwrapped, collate(examples, tokenizer.pad_token_id), accelerator.device)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     tracker.log_samples([{"chosen": decode(p + c), "rejected": decode(p + r)[-120:], "r_chosen": a, "r_rejected": b}
                          for (p, c, r, _), a, b in zip(examples, chosen.tolist(), rejected.tolist())], step)
@@ -250,8 +254,14 @@ def main(args: Args):
     model = adapt(load_reward_model(model_path, tokenizer, args.torch_dtype, new_head=True), args, "SEQ_CLS")
     hint_learning_rate(args, model, accelerator)
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
-        # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1))
-        torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
+        # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1)); under
+        # ZeRO-3 it was sharded while loading: drawn whole on the main process, which hands out the shards
+        whole = contextlib.nullcontext()
+        if deepspeed_stage(accelerator) == 3:
+            import deepspeed
+            whole = deepspeed.zero.GatheredParameters([model.score.weight], modifier_rank=0)
+        with whole:
+            torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
@@ -286,7 +296,8 @@ def main(args: Args):
             with accelerator.accumulate(model):
                 chosen, rejected, margin = rewards_of(model, batch, accelerator.device)
                 loss = reward_loss(chosen, rejected, margin, args.center_rewards_coefficient)
-                accelerator.backward(loss)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=loss, grad_norm=grad_norm):

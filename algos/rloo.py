@@ -171,6 +171,8 @@ class Args:
     """dropout on the LoRA input"""
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's ratio is 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -413,7 +415,8 @@ def main(args: Args):
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
                         loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx], args.cliprange,
                                                          is_weights)
-                        accelerator.backward(loss)
+                        if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                            accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                             if not checkpointer.finite(loss=loss.detach(), grad_norm=grad_norm):

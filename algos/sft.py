@@ -183,7 +183,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Mean completion-token NLL over the eval examples (all processes)."""
     model.eval()
     nll, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-    shard = eval_examples[accelerator.process_index::accelerator.num_processes]
+    world = accelerator.num_processes  # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
         input_ids, attention_mask, loss_mask = (t.to(accelerator.device) for t in collate(
             shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id))
@@ -287,7 +288,8 @@ def main(args: Args):
             with accelerator.accumulate(model):
                 logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
                 loss = sft_loss(logits, input_ids, loss_mask, num_tokens)
-                accelerator.backward(loss)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=total_loss + loss.detach(), grad_norm=grad_norm):

@@ -22,7 +22,8 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
     unwrapped = accelerator.unwrap_model(model)
     if part:
         unwrapped = getattr(unwrapped, part)
-        state_dict = {k.removeprefix(part + "."): v for k, v in state_dict.items() if k.startswith(part + ".")}
+        if state_dict is not None:  # ZeRO-3 gathers it on the main process only
+            state_dict = {k.removeprefix(part + "."): v for k, v in state_dict.items() if k.startswith(part + ".")}
     if accelerator.is_main_process:
         tmp = os.path.join(output_dir, ".saving")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -52,6 +53,14 @@ class Checkpointer:
         self.args, self.accelerator = args, accelerator
         self.root = os.path.join(args.output_dir, "checkpoints")
         self.nonfinite = None  # (metric, value) that made this step's update be dropped
+        # DeepSpeed steps its engine inside backward(), before `finite` can drop the update (it skips
+        # an update whose gradients overflow by itself, and `end_of_step` asks it whether it did)
+        self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
+        self.skipped_backward = False
+        if self.engine is not None and args.skip_nonfinite_steps:
+            raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
+                            "inside backward (skipping by itself those whose gradients overflow); without the flag a "
+                            "non-finite loss is caught before backward, and the run saves the last good weights and stops")
         if not args.resume_from_checkpoint and accelerator.is_main_process:
             shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
@@ -91,27 +100,46 @@ class Checkpointer:
         flag = self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max")
         if flag.item() == 0:
             return True
-        self.nonfinite = bad[0] if bad else ("loss", float("nan"))  # flagged on another process
+        self.nonfinite = self.nonfinite or (bad[0] if bad else ("loss", float("nan")))  # else: on another process
+        return False
+
+    def finite_loss(self, loss) -> bool:
+        """Call before backward: under DeepSpeed, False (every process alike) when this loss, or an
+        earlier one of this step, is not finite on some process; skip backward then (for the rest of
+        the step), so that the engine takes no update, and `end_of_step` saves the untouched weights
+        and stops. Without DeepSpeed always True: `finite` drops the update after backward."""
+        if self.engine is None or (self.nonfinite is None and self.finite(loss=loss)):
+            return True
+        self.skipped_backward = True  # so the engine took no step, whatever it says of its last one
         return False
 
     def save(self, step: int, state: dict) -> str:
         """Write checkpoint step_<step> (collective: every process calls it); returns its path."""
         acc, final = self.accelerator, os.path.join(self.root, f"step_{step}")
         tmp = os.path.join(self.root, f".step_{step}.partial")
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        acc.wait_for_everyone()
+
+        def in_turn(work):
+            """`work` on the first process of each machine, machine after machine: without a shared file
+            system each machine makes and publishes its own directory; with one, the later machines find
+            it done. One turn per rank, as accelerate does not say which ranks share a machine."""
+            for rank in range(acc.num_processes):
+                if rank == acc.process_index and acc.is_local_main_process:
+                    work()
+                acc.wait_for_everyone()
+
+        def publish():
+            if os.path.isdir(tmp):  # else a machine sharing this file system has renamed it
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            for old in self.saved()[:-max(1, self.args.save_total_limit)]:
+                shutil.rmtree(os.path.join(self.root, old))
+
+        in_turn(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
         acc.save_state(tmp)
         torch.save({**state, "step": step, "run_name": self.args.run_name, "world_size": acc.num_processes},
                    os.path.join(tmp, f"loop_state_{acc.process_index}.pt"))
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in self.saved()[:-max(1, self.args.save_total_limit)]:
-                shutil.rmtree(os.path.join(self.root, old))
-        acc.wait_for_everyone()
+        in_turn(publish)
         return final
 
     def end_of_step(self, step: int, state: dict):
@@ -119,9 +147,18 @@ class Checkpointer:
         args, acc = self.args, self.accelerator
         stop = acc.reduce(torch.tensor(float(runtime.stop_signal or 0), device=acc.device), "max").item()
         nonfinite, self.nonfinite = self.nonfinite, None
+        applied = nonfinite and self.engine is not None and not self.skipped_backward and self.engine.was_step_applied()
+        self.skipped_backward = False
         if nonfinite and args.skip_nonfinite_steps:
             acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); update skipped (--skip_nonfinite_steps)")
             nonfinite = None
+        if applied:
+            newest = self.saved()[-1] if self.saved() else None
+            raise UserError(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); DeepSpeed applied this update "
+                            "inside backward, before it could be checked, so it could not be dropped and no checkpoint "
+                            "was written; lower --learning_rate and continue from the newest checkpoint"
+                            + (f" ({os.path.join(self.root, newest)}) with --resume_from_checkpoint latest" if newest
+                               else " (there is none: pass --save_steps to keep some)"))
         if stop or nonfinite or (args.save_steps and step % args.save_steps == 0):
             path = self.save(step, state)
             if stop:
@@ -131,4 +168,5 @@ class Checkpointer:
             if nonfinite:
                 raise UserError(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); the update was dropped and "
                                 f"the last good weights, untouched by it, saved in {path}; lower --learning_rate and "
-                                "continue with --resume_from_checkpoint latest, or pass --skip_nonfinite_steps")
+                                "continue with --resume_from_checkpoint latest"
+                                + ("" if self.engine else ", or pass --skip_nonfinite_steps"))

@@ -19,10 +19,20 @@ def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.
             torch.nn.utils.rnn.pad_sequence(ones, True, 0, padding_side=side))
 
 
-def truncate_at_stop(ids: torch.Tensor, stop_id: int, pad_id: int):
-    """Keep each row up to and including its first stop token and pad the rest.
-    Returns (ids, mask of kept tokens, whether the row contains the stop token)."""
-    is_stop = ids == stop_id
+def stop_token_ids(model_or_generation_config, tokenizer) -> list[int]:
+    """The tokens a completion ends at: the tokenizer's EOS and the generation config's (chat models
+    list their end-of-turn token there too, e.g. Llama 3 and Qwen instruct). vLLM stops at all of
+    them, so HF generate and the truncation must too."""
+    config = getattr(model_or_generation_config, "generation_config", model_or_generation_config)
+    eos = getattr(config, "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *eos]))
+
+
+def truncate_at_stop(ids: torch.Tensor, stop_ids: int | list[int], pad_id: int):
+    """Keep each row up to and including its first stop token (any of `stop_ids`) and pad the rest.
+    Returns (ids, mask of kept tokens, whether the row contains a stop token)."""
+    is_stop = torch.isin(ids, torch.tensor(stop_ids, device=ids.device))
     finished = is_stop.any(dim=1)
     first_stop = torch.where(finished, is_stop.int().argmax(dim=1), ids.shape[1])
     keep = torch.arange(ids.shape[1], device=ids.device)[None, :] <= first_stop[:, None]
@@ -65,16 +75,18 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     is sampled with seed seeds[i] (default: drawn from torch's global generator).
 
     Returns (prompt_ids, prompt_mask, completion_ids, completion_mask, finished); completions are cut
-    after the first EOS, so `completion_mask` covers exactly the tokens the policy emitted up to and
-    including EOS, and `finished` says which completions stopped by themselves."""
+    after the first stop token (`stop_token_ids`), so `completion_mask` covers exactly the tokens the
+    policy emitted up to and including it, and `finished` says which completions stopped by themselves."""
+    stop_ids = stop_token_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=repetition_penalty,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                              eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
     if temperature > 0 and seeds is None:
         seeds = torch.randint(2**62, (len(prompts),)).tolist()
     prompt_ids, prompt_mask = pad(prompts, tokenizer.pad_token_id, side="left")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    synced = is_partitioned(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     chunks = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
@@ -82,28 +94,50 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
                    if temperature > 0 else [])
         # the samples of one prompt share its prefill: generate continues from the prompt's cache
         cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1, logits_to_keep=1)
+        # synced_gpus: only a sharded model needs every rank to decode in step (HF would turn it on
+        # whenever ZeRO-3 is configured, and one rank sampling alone would then wait forever)
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
-                             **({"past_key_values": cache} if cache is not None else {}))
+                             synced_gpus=synced, **({"past_key_values": cache} if cache is not None else {}))
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
                             value=tokenizer.pad_token_id))
     model.train(was_training)
-    completion_ids, completion_mask, finished = truncate_at_stop(
-        torch.cat(chunks), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    completion_ids, completion_mask, finished = truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id)
     return prompt_ids.to(device), prompt_mask.to(device), completion_ids, completion_mask, finished
 
 
 @contextlib.contextmanager
 def unwrapped_for_generation(accelerator, model, gather: bool = True):
-    """The bare model to call `generate` on. Under ZeRO-3 its full weights are gathered on every rank
-    first (all ranks must enter), so that decoding does not gather each layer again for every token;
-    gather=False, for a model too large to gather, decodes sharded (HF then keeps the ranks in step)."""
+    """The bare model to call `generate` (or any forward) on. Under ZeRO-3 its full weights are
+    gathered on every rank first (all ranks must enter), and DeepSpeed's per-module hooks come off
+    while they are: left on, each module would release its weights after its first forward and
+    gather them again for every token. Inside, the model runs without communicating, so one rank
+    alone may use it (a sample table). gather=False, for a model too large to gather, decodes
+    sharded: every rank must then generate, and HF keeps them in step."""
     unwrapped = accelerator.unwrap_model(model)
     if deepspeed_stage(accelerator) != 3 or not gather:
         yield unwrapped
         return
     import deepspeed
+    from deepspeed.runtime.zero import parameter_offload
+
+    offload = model.optimizer.parameter_offload  # the engine's ZeRO-3 optimizer holds the hooks
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        yield unwrapped
+        for param in model.parameters():
+            param.ds_active_sub_modules.clear()  # else the exit would keep them gathered
+        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
+            hook.remove()  # the pre-hook too: it checks, with a broadcast, that all ranks run alike
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield unwrapped
+        finally:
+            offload.setup_zero_stage3_hooks()
+            parameter_offload.FWD_MODULE_STACK.pop()  # the setup pushes the module a second time
+
+
+def is_partitioned(model) -> bool:
+    """Whether some weight of the model is a ZeRO-3 shard, not whole, on this rank."""
+    return any(getattr(p, "ds_status", None) is not None and p.ds_status.name == "NOT_AVAILABLE"
+               for p in model.parameters())
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -150,7 +184,11 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5.23; older:
     if checkpointing is None:
         checkpointing = getattr(inner, "is_gradient_checkpointing", False)
-    if length <= 0 or (inner.training and checkpointing):
+    if inner.training and checkpointing:
+        return None
+    if length <= 0:  # nothing to share (one-token prompts); a call all the same, as other ranks make one
+        with torch.no_grad():
+            model(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1], use_cache=False)
         return None
     prefixes, owner = torch.unique(torch.cat([input_ids[:, :length], attention_mask[:, :length]], 1), dim=0,
                                    return_inverse=True)

@@ -73,19 +73,34 @@ def hint_learning_rate(args, model, accelerator):
 
 
 def adapt(model, args, task_type: str = "CAUSAL_LM"):
-    """Turn on gradient checkpointing and wrap the model with LoRA adapters, as the flags ask."""
+    """Turn on gradient checkpointing, wrap the model with LoRA adapters and turn dropout off, as the flags ask."""
     if args.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and DDP
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not args.use_peft:
-        return model
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise UserError("--use_peft needs peft: pip install 'minimal-post-training[peft]'") from None
-    targets = args.lora_target_modules
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets[0] if targets == ["all-linear"] else targets)
-    return get_peft_model(model, config)
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise UserError("--use_peft needs peft: pip install 'minimal-post-training[peft]'") from None
+        targets = args.lora_target_modules
+        config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            target_modules=targets[0] if targets == ["all-linear"] else targets)
+        model = get_peft_model(model, config)
+    if getattr(args, "disable_dropout", False):  # after LoRA, so lora_dropout goes too; sft/reward have no such flag
+        disable_dropout(model)
+    return model
+
+
+def disable_dropout(model):
+    """Dropout rate 0 in every module, whatever its mode. New LoRA layers start in train mode (and the
+    offline scripts turn it on for the whole model): with dropout, the old logprobs, the reference
+    (LoRA: adapters off) and PPO's values would each come from another random network, and the
+    ratio of the first update would not be 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention keeps a rate, not a module
+            module.attention_dropout = 0.0
+    return model
 
 
 @contextlib.contextmanager
@@ -108,11 +123,14 @@ _frozen_engines = []  # DeepSpeed engines of frozen models, kept alive for their
 
 def prepare_frozen(accelerator, model):
     """A model that is only evaluated (reference, reward model): eval mode, no gradients, on the
-    device. Under DeepSpeed it goes through an inference-only engine in the training dtype; under
-    ZeRO-3 that engine shards it (it is loaded from disk, never deep-copied from a sharded module)."""
+    device. Without DeepSpeed it runs under the policy's autocast (--bf16), else a reference computing
+    in fp32 would differ from an identical policy computing in bf16 (a KL > 0 at step 1). Under
+    DeepSpeed it goes through an inference-only engine in the training dtype; under ZeRO-3 that
+    engine shards it (it is loaded from disk, never deep-copied from a sharded module)."""
     model.eval().requires_grad_(False)
     stage = deepspeed_stage(accelerator)
     if stage is None:
+        model.forward = accelerator.autocast()(model.forward)  # a no-op without mixed precision
         return model.to(accelerator.device)
     import deepspeed
     trained = accelerator.state.deepspeed_plugin.deepspeed_config

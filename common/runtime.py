@@ -8,7 +8,7 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
 
@@ -84,8 +84,12 @@ def setup(args) -> Accelerator:
     rates, and an output_dir that another run has used (see check_output_dir), before anything loads."""
     check_positive(args)
     check_output_dir(args)
+    # DeepSpeed without CUDA (trying ZeRO on a CPU, as the tests do): accelerate leaves the backend unset
+    # there, and every process then believes it is alone; gloo makes it a real multi-process run
+    cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision="bf16" if getattr(args, "bf16", False) else None)
+                              mixed_precision="bf16" if getattr(args, "bf16", False) else None,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
     set_seed(args.seed)
     args.world_size = accelerator.num_processes
     if not getattr(args, "run_name", None):

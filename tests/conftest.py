@@ -58,10 +58,10 @@ class FixedLogits(torch.nn.Module):
         return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})
 
 
-def run_script(*argv, launcher=None, check=True, timeout=600):
+def run_script(*argv, launcher=None, check=True, timeout=600, env=None):
     """Run `python <argv>` (or `<launcher> <argv>`) from the repo root; returns CompletedProcess."""
     cmd = (launcher or [sys.executable]) + list(argv)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -161,3 +161,47 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
     a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(tmp_path / "cut") == records(tmp_path / "full")
+
+
+class StandInRank:
+    """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in a save."""
+
+    def __init__(self, index, barrier):
+        self.process_index, self.num_processes, self.barrier = index, 4, barrier
+        self.is_main_process, self.is_local_main_process = index == 0, index % 2 == 0
+
+    def wait_for_everyone(self):
+        self.barrier.wait()
+
+    def save_state(self, path):  # as accelerate: creates the directory, writes this rank's RNG states
+        os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, f"random_states_{self.process_index}.pkl"), "w").close()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_path, shared):
+    """Without a shared file system each machine must end with its own complete, pruned step_<n>, holding
+    its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from common.checkpoint import Checkpointer
+
+    barrier = threading.Barrier(4, timeout=20)
+
+    def rank(i):
+        ck = Checkpointer.__new__(Checkpointer)  # no real accelerator: only what save() uses
+        ck.args, ck.accelerator = SimpleNamespace(run_name="r", save_total_limit=2), StandInRank(i, barrier)
+        ck.root = str(tmp_path / ("shared" if shared else f"machine{i // 2}") / "checkpoints")
+        for step in (1, 2, 3):
+            ck.save(step, {})
+        return ck.saved()
+
+    with ThreadPoolExecutor(4) as pool:
+        saved = [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
+    assert saved == [["step_2", "step_3"]] * 4
+    for root, ranks in ({"shared": range(4)} if shared else {"machine0": (0, 1), "machine1": (2, 3)}).items():
+        assert sorted(os.listdir(tmp_path / root / "checkpoints")) == ["step_2", "step_3"]
+        assert sorted(os.listdir(tmp_path / root / "checkpoints" / "step_3")) == sorted(
+            f"{kind}_{r}.{ext}" for r in ranks for kind, ext in (("loop_state", "pt"), ("random_states", "pkl")))

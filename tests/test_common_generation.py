@@ -22,7 +22,7 @@ def test_truncate_at_first_stop_token():
     ids = torch.tensor([[4, 2, 5, 2, 6],    # stops at index 1; the later 2 is dropped
                         [4, 5, 6, 7, 8],    # never stops
                         [2, 9, 9, 9, 9]])   # stops at once
-    out, mask, finished = truncate_at_stop(ids, stop_id=2, pad_id=0)
+    out, mask, finished = truncate_at_stop(ids, stop_ids=2, pad_id=0)
     assert out.tolist() == [[4, 2, 0, 0, 0], [4, 5, 6, 7, 8], [2, 0, 0, 0, 0]]
     assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert finished.tolist() == [True, False, True]

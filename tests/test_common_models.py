@@ -52,3 +52,17 @@ def test_exact_div_names_the_flags():
     assert exact_div(12, 4, "x") == 3
     with pytest.raises(UserError, match=r"--batch must divide \(10 is not divisible by 4\)"):
         exact_div(10, 4, "--batch must divide")
+
+
+def test_frozen_reference_runs_under_the_policys_bf16_autocast(tmp_path, sft_model):
+    # step 1's KL comes from the pass before its update: policy and reference hold the same weights, so it
+    # is 0 exactly when both compute alike (in bf16)
+    from tests.conftest import run_script
+    from tests.test_sft import read_log
+
+    out = str(tmp_path / "grpo")
+    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", "--reward_funcs",
+               "tests.toy_rewards:short", "--bf16", "--beta", "0.1", "--max_steps", "1",
+               "--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8",
+               "--gold_eval_split", "", "--output_dir", out)
+    assert read_log(out)[0]["kl"] == 0.0

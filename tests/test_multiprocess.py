@@ -16,10 +16,10 @@ from tests.conftest import run_script
 from tests.test_sft import read_log
 
 CASES = {  # script: (flags, logged losses to compare); per-device batch sizes fixed, accumulation set below
-    "sft": (["--per_device_train_batch_size", "4", "--eval_steps", "2", "--num_sample_generations", "0"], ["loss", "eval_loss"]),
-    "reward": (["--per_device_train_batch_size", "4", "--eval_steps", "2", "--num_sample_pairs", "0"], ["loss", "eval_loss"]),
-    "dpo": (["--per_device_train_batch_size", "4", "--dataset_test_split", "", "--precompute_ref_logps"], ["loss"]),
-    "kto": (["--per_device_train_batch_size", "4", "--dataset_test_split", ""], ["loss", "kl"]),
+    "sft": (["--per_device_train_batch_size", "4", "--eval_steps", "2"], ["loss", "eval_loss"]),
+    "reward": (["--per_device_train_batch_size", "4", "--eval_steps", "2"], ["loss", "eval_loss"]),
+    "dpo": (["--per_device_train_batch_size", "4", "--precompute_ref_logps"], ["loss"]),
+    "kto": (["--per_device_train_batch_size", "4"], ["loss", "kl"]),
     "grpo": (["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
               "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--num_iterations", "2"], ["loss"]),
     "rloo": (["--per_device_train_batch_size", "2", "--num_mini_batches", "2", "--rloo_k", "2",
@@ -30,6 +30,9 @@ CASES = {  # script: (flags, logged losses to compare); per-device batch sizes f
     "ppo": (["--per_device_train_batch_size", "2", "--num_mini_batches", "2", "--response_length", "8",
              "--local_rollout_forward_batch_size", "4"], ["loss/policy_avg", "loss/value_avg", "objective/kl"]),
 }
+# what these tests leave out to save time (test_deepspeed.py keeps it all on): sample tables, evaluations, gold evaluation
+QUIET = {"sft": ["--num_sample_generations", "0"], "reward": ["--num_sample_pairs", "0"],
+         "dpo": ["--dataset_test_split", ""], "kto": ["--dataset_test_split", ""]}
 
 
 @pytest.mark.multiproc
@@ -39,7 +42,7 @@ def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
         model += ["--reward_model_path", rm_model]
-    quiet = ["--logging_steps", "1"] + ([] if script == "reward" else ["--gold_eval_split", ""])
+    quiet = ["--logging_steps", "1", *QUIET.get(script, [])] + ([] if script == "reward" else ["--gold_eval_split", ""])
     common = [f"algos/{script}.py", "--max_steps", "2", *quiet, *model, *flags]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -1,0 +1,203 @@
+"""Every script under DeepSpeed ZeRO-2 and ZeRO-3 on 2 processes, launched as a user launches it
+(`accelerate launch --config_file configs/deepspeed_zero3.yaml ...`), here on the CPU: without CUDA,
+common/runtime.setup gives the processes a gloo group, so the 2 ranks really shard and communicate.
+Each run has its evaluation, sample tables, gold evaluation, a checkpoint after step 1 and the final
+save on, and must log the losses of the 1-process run with the same global batch and save the same
+weights; under ZeRO-3 it is also resumed from that checkpoint and must end where it ended.
+
+Not in the default run (needs `pip install '.[deepspeed]'`, ~8 min on 2 cores; DeepSpeed compiles a
+small op once): `python -m pytest -m deepspeed`; .ci/run runs them."""
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from common.checkpoint import Checkpointer
+from common.runtime import UserError
+from tests.conftest import ROOT, run_script
+from tests.test_multiprocess import CASES, QUIET
+from tests.test_sft import read_log
+
+EVERYTHING_ON = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1"]
+# reward: its pairwise loss does not change when every score shifts alike, so the gradient along such a shift
+# (the final layer norm's bias, feeding the score head) is float noise, which Adam turns into steps of the
+# learning rate's size; the two runs sum their gradients in different orders, and end 3e-4 apart there
+TOLERANCE = {"reward": 1e-3}
+
+
+def launcher(stage: int):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(ROOT, "configs", f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def model_flags(script, sft_model, rm_model):
+    flags = [] if script == "sft" else ["--model_name_or_path", sft_model]
+    return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
+
+
+def saved_weights(path, script):
+    cls = AutoModelForSequenceClassification if script == "reward" else AutoModelForCausalLM
+    return cls.from_pretrained(path).state_dict()
+
+
+def assert_same_losses(a_log, b_log, keys, steps, tolerance=1e-5):
+    """The training rows (not the final gold row) of `steps` log the same `keys` in both runs."""
+    a, b = ([r for r in log if r["step"] in steps and keys[0] in r] for log in (a_log, b_log))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == steps
+    compared = set()
+    for x, y in zip(a, b):
+        for key in set(keys) & x.keys() & y.keys():
+            assert x[key] == pytest.approx(y[key], abs=tolerance), (key, x[key], y[key])
+            compared.add(key)
+    assert compared == set(keys)
+
+
+_one_process = {}
+
+
+def one_process_run(script, sft_model, rm_model, tmp_path_factory):
+    """The reference: 1 process, no DeepSpeed, 2 micro-batches of accumulation (once per script)."""
+    if script not in _one_process:
+        out = tmp_path_factory.mktemp(f"one_{script}")
+        flags, _ = CASES[script]
+        run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *model_flags(script, sft_model, rm_model),
+                   *flags, *QUIET.get(script, []), *([] if script == "reward" else ["--gold_eval_split", ""]),
+                   "--gradient_accumulation_steps", "2", "--output_dir", str(out))
+        _one_process[script] = str(out)
+    return _one_process[script]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("script", list(CASES))
+def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, rm_model, script, stage):
+    pytest.importorskip("deepspeed")
+    flags, keys = CASES[script]
+    one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
+    flags = [f for f in flags if f != "--precompute_ref_logps"]  # dpo: the reference's DeepSpeed engine each step
+    common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
+              "--gradient_accumulation_steps", "1"]
+    out = run_script(*common, "--output_dir", str(tmp_path / "ds"), launcher=launcher(stage)).stdout
+    log = read_log(str(tmp_path / "ds"))
+    tolerance = TOLERANCE.get(script, 1e-5)
+    assert_same_losses(log, read_log(one), keys, [1, 2], tolerance)
+    assert "--- samples at step 2 ---" in out
+    if script != "reward":
+        assert "gold/win_rate" in log[-1]
+    assert sorted(os.listdir(tmp_path / "ds" / "checkpoints")) == ["step_1", "step_2"]
+    # the saved model is whole, loads the `from_pretrained` way, and is the 1-process run's model
+    ds, reference = saved_weights(str(tmp_path / "ds"), script), saved_weights(one, script)
+    assert ds.keys() == reference.keys()
+    for name in ds:
+        assert torch.allclose(ds[name], reference[name], atol=tolerance), name
+    rows = [(x, y) for x, y in zip(log, read_log(one)) if x["step"] == y["step"]]
+    print(f"\n{script} zero{stage}:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
+          "weights:", max((ds[k] - reference[k]).abs().max().item() for k in ds))
+    if stage == 3:  # resumed from the checkpoint of step 1, the run ends where the uninterrupted one ended
+        quiet = [] if script == "reward" else ["--gold_eval_split", ""]
+        run_script(*common, *quiet, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+                   str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=launcher(stage))
+        assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
+        resumed = saved_weights(str(tmp_path / "resumed"), script)
+        assert all(torch.allclose(resumed[k], ds[k], atol=1e-6) for k in ds)
+
+
+@pytest.mark.deepspeed
+def test_dpo_lora_with_precomputed_reference_under_zero3(tmp_path, sft_model):
+    """With LoRA the reference is the policy with adapters off: its logprobs are precomputed after
+    `prepare` (before it, ZeRO-3 had sharded the model with no engine to gather it)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("peft")
+    run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--use_peft", "--precompute_ref_logps", "--max_steps", "2",
+               "--per_device_train_batch_size", "4", "--dataset_test_split", "", "--gold_eval_split", "",
+               "--logging_steps", "1", "--output_dir", str(tmp_path), launcher=launcher(3))
+    assert [r["step"] for r in read_log(str(tmp_path)) if "loss" in r] == [1, 2]
+    assert os.path.exists(tmp_path / "adapter_config.json")
+
+
+@pytest.mark.deepspeed
+def test_generation_under_zero3_gathers_once(tmp_path, tiny_model):
+    """Inside `unwrapped_for_generation` the weights stay whole: decoding 8 tokens makes no collective
+    call (DeepSpeed's hooks are off), the logits equal the sharded model's, and the hooks come back."""
+    pytest.importorskip("deepspeed")
+    run_script("tests/zero3_probe.py", tiny_model, str(tmp_path), launcher=launcher(3))
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for rank in ranks:
+        assert rank["collectives_while_generating"] == 0 and rank["tokens"] == 8 and rank["same_logits"], rank
+
+
+@pytest.mark.deepspeed
+def test_nonfinite_loss_on_one_rank_stops_every_rank_before_backward(tmp_path):
+    """NaN on rank 1 only, at step 3: every rank skips backward (DeepSpeed would step inside it), and
+    the checkpoint of step 3 holds the weights of step 2."""
+    pytest.importorskip("deepspeed")
+    proc = run_script("tests/nan_sft.py", "--max_steps", "4", "--per_device_train_batch_size", "2", "--dataset_test_split",
+                      "", "--gold_eval_split", "", "--num_sample_generations", "0", "--save_steps", "2",
+                      "--output_dir", str(tmp_path), launcher=launcher(2), check=False,
+                      env={**os.environ, "NAN_CALL": "3", "NAN_RANK": "1"})
+    assert proc.returncode != 0
+    assert ("error: step 3: non-finite loss (nan); the update was dropped and the last good weights, untouched by it, "
+            f"saved in {tmp_path}/checkpoints/step_3; lower --learning_rate and continue with --resume_from_checkpoint "
+            "latest\n") in proc.stderr
+    states = [torch.load(tmp_path / "checkpoints" / step / "pytorch_model" / "mp_rank_00_model_states.pt",
+                         weights_only=False)["module"] for step in ("step_2", "step_3")]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+class _Engine:
+    def __init__(self, applied):
+        self.applied = applied
+
+    def was_step_applied(self):
+        return self.applied
+
+
+def _checkpointer(tmp_path, applied, skip=False):
+    args = types.SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None, skip_nonfinite_steps=skip,
+                                 save_steps=0, save_total_limit=2, run_name="r")
+    accelerator = types.SimpleNamespace(
+        is_main_process=True, device="cpu", num_processes=1, process_index=0, register_for_checkpointing=lambda *a: None,
+        state=types.SimpleNamespace(deepspeed_plugin=object()), reduce=lambda t, op: t, wait_for_everyone=lambda: None,
+        deepspeed_engine_wrapped=types.SimpleNamespace(engine=_Engine(applied)), print=print,
+        save_state=lambda path: None)
+    return Checkpointer(args, accelerator, scheduler=None)
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_nonfinite_gradient_under_deepspeed_says_what_happened(tmp_path, applied):
+    """DeepSpeed steps inside backward: when its overflow check skipped the step, the weights saved are
+    the last good ones; when it applied it (older versions in fp32), no checkpoint is written and the
+    message says the update could not be dropped."""
+    checkpointer = _checkpointer(tmp_path, applied)
+    assert checkpointer.finite_loss(torch.tensor(1.0))  # the loss was finite: backward ran
+    assert not checkpointer.finite(loss=1.0, grad_norm=float("inf"))
+    why = "DeepSpeed applied this update inside backward, before it could be checked, so it could not be dropped" \
+        if applied else r"the update was dropped and the last good weights, untouched by it, saved in"
+    with pytest.raises(UserError, match=why):
+        checkpointer.end_of_step(3, {})
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_3") != applied
+    with pytest.raises(UserError, match="--skip_nonfinite_steps cannot be used with DeepSpeed"):
+        _checkpointer(tmp_path, applied, skip=True)
+
+
+@pytest.mark.deepspeed
+def test_evaluation_of_an_odd_split_under_zero3(tmp_path):
+    """5 eval rows on 2 ranks: shares of 3 and 2 rows would make rank 0 run one more sharded forward
+    than rank 1 (a hang under ZeRO-3); both ranks evaluate 2 rows, one row is left out."""
+    pytest.importorskip("deepspeed")
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 8), ("validation", 5)):
+        with open(data / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"prompt": f"post {i}: the cat sat", "completion": f" cat {i}"}) + "\n")
+    run_script("algos/sft.py", "--dataset_name", str(data), "--max_steps", "1", "--per_device_train_batch_size", "2",
+               "--per_device_eval_batch_size", "2", "--num_sample_generations", "0", "--output_dir", str(tmp_path / "out"),
+               launcher=launcher(3), timeout=180)
+    assert "eval_loss" in read_log(str(tmp_path / "out"))[-1]
