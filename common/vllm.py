@@ -16,9 +16,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
-from common.generation import pad, truncate_at_stop
+from common.generation import pad, stop_token_ids, truncate_at_stop
 from common.models import deepspeed_stage
 from common.runtime import UserError
 
@@ -34,23 +34,23 @@ def _hf_parameters(model):
 
 
 def _full_parameters(accelerator, model):
-    """(HF name, full tensor) of the policy, one parameter at a time: gathered alone under ZeRO-3,
-    and with LoRA the adapters merged into the base weights first."""
+    """(HF name, full tensor) of the policy, one parameter at a time: gathered alone under ZeRO-3.
+    With LoRA an adapted weight goes out as base + the adapters' delta, computed aside: merging into
+    the base weight and back does not restore a bf16 weight exactly, so the base (also the KL
+    reference) would drift with every push."""
     unwrapped = accelerator.unwrap_model(model)
-    peft = hasattr(unwrapped, "merge_adapter")
-    if peft:
-        unwrapped.merge_adapter()
-    try:
-        for name, param in _hf_parameters(unwrapped):
-            if deepspeed_stage(accelerator) == 3:
-                import deepspeed
-                with deepspeed.zero.GatheredParameters([param]):
-                    yield name, param.data
-            else:
+    lora = {id(m.get_base_layer().weight): m for m in unwrapped.modules() if hasattr(m, "lora_A")}
+    for name, param in _hf_parameters(unwrapped):
+        if deepspeed_stage(accelerator) == 3:  # never with LoRA (refused in check)
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([param]):
                 yield name, param.data
-    finally:
-        if peft:
-            unwrapped.unmerge_adapter()
+        elif id(param) in lora:
+            layer = lora[id(param)]
+            deltas = (layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+            yield name, sum(deltas, param.data).to(param.dtype)  # the base's dtype: peft keeps adapters in float32
+        else:
+            yield name, param.data
 
 
 @contextlib.contextmanager
@@ -108,6 +108,10 @@ class VLLMSampler:
     def __init__(self, args, accelerator, model_path: str, max_length: int):
         self.args, self.accelerator = args, accelerator
         self.vllm = vllm = self.check(args, accelerator)
+        try:  # where HF and vLLM read the model's EOS ids: generation_config.json, else config.json
+            self.generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:
+            self.generation_config = AutoConfig.from_pretrained(model_path)
         if args.vllm_mode == "server":
             self.url, self.server_world_size = wait_for_server(args)
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
@@ -122,6 +126,7 @@ class VLLMSampler:
                 def __iter__(self):
                     return _full_parameters(accelerator, self._module)
 
+            # called on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
             info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=args.vllm_server_host,
                                        master_port=args.vllm_group_port, world_size=1 + self.server_world_size)
             self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
@@ -137,7 +142,8 @@ class VLLMSampler:
                 dtype=args.torch_dtype if args.torch_dtype != "auto" else "auto",
                 distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
         if args.vllm_enable_sleep_mode:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=1)  # its memory goes back to training until the first rollout
+        self.weights_asleep = args.vllm_enable_sleep_mode
 
     @torch.no_grad()
     def push_weights(self, model) -> float:
@@ -146,23 +152,26 @@ class VLLMSampler:
         if self.args.vllm_mode == "server":
             if self.sender is None:
                 self.sender = self.transfer(model)  # NCCL rendezvous with the server's workers, once
-            self.sender.send_weights()  # every rank iterates (gathers), rank 0 sends
+            self.sender.send_weights()  # every rank iterates (gathers); trainer rank 0 alone is in the group and sends
+            # no rank may sample before the server holds all the new weights: the other ranks finish first
+            # (nothing to send), and the server goes on sampling during an update
+            self.accelerator.wait_for_everyone()
         else:
-            if self.args.vllm_enable_sleep_mode:
+            if self.weights_asleep:  # the weights alone: the KV cache stays released while they load
                 self.llm.wake_up(tags=["weights"])
+                self.weights_asleep = False
             weights = _full_parameters(self.accelerator, model)
             # vLLM's in-place reload: checkpoint-format weights, re-processed layer by layer into kernel layouts
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
-            if self.args.vllm_enable_sleep_mode:
-                self.llm.sleep(level=1)
         return time.time() - start
 
     def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, min_p: float, repetition_penalty: float, seeds: list[int]):
         """As common.generation.generate, plus the sampler's logprob of each completion token [N, T]."""
+        stop_ids = stop_token_ids(self.generation_config, tokenizer)  # the same as HF generate's
         params = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k or -1,
-                      min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0)
+                      min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0, stop_token_ids=stop_ids)
         if self.args.vllm_mode == "server":
             def one(prompt, seed):
                 body = json.dumps({"model": self.model_name, "prompt": prompt, "seed": seed, "return_token_ids": True,
@@ -177,19 +186,20 @@ class VLLMSampler:
             with ThreadPoolExecutor(32) as pool:
                 results = list(pool.map(one, prompts, seeds))
         else:
-            if self.args.vllm_enable_sleep_mode:
-                self.llm.wake_up(tags=["kv_cache"])
+            if self.args.vllm_enable_sleep_mode:  # vLLM schedules nothing until every tag is awake
+                self.llm.wake_up(tags=None if self.weights_asleep else ["kv_cache"])
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                         [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
             results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
                        for o in outputs]
             if self.args.vllm_enable_sleep_mode:
                 self.llm.sleep(level=1)
+                self.weights_asleep = True
         device = self.accelerator.device
         prompt_ids, prompt_mask = pad(prompts, tokenizer.pad_token_id, side="left")
         ids = torch.tensor([list(t) + [tokenizer.pad_token_id] * (max_new_tokens - len(t)) for t, _ in results])
         logps = torch.tensor([list(lp) + [0.0] * (max_new_tokens - len(lp)) for _, lp in results])
-        completion_ids, completion_mask, finished = truncate_at_stop(ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        completion_ids, completion_mask, finished = truncate_at_stop(ids, stop_ids, tokenizer.pad_token_id)
         return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
                 finished.to(device), logps.to(device) * completion_mask.to(device))
 

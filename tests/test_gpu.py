@@ -64,3 +64,16 @@ def test_lora_with_gradient_checkpointing_and_bf16_on_cuda(tmp_path, sft_model, 
                       "--gradient_checkpointing", "--bf16", "--output_dir", out, *flags(script, rm_model))
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [["--vllm_enable_sleep_mode"], ["--use_peft", "--bf16"]], ids=["sleep", "lora_bf16"])
+def test_grpo_samples_with_vllm_on_cuda(tmp_path, sft_model, extra):
+    """The colocated engine on CUDA: sleeping between rollouts (it must wake with its weights, or it
+    waits forever), and taking LoRA-adapted bf16 weights (base + delta, the base left as it was)."""
+    pytest.importorskip("vllm")
+    out = str(tmp_path / "out")
+    proc = run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--max_steps", "3", "--use_vllm", *extra,
+                      "--output_dir", out, *flags("grpo.py", None))
+    log = [r for r in read_log(out) if "lr" in r]
+    assert len(log) == 3 and all(math.isfinite(r["loss"]) for r in log), proc.stdout[-2000:]
