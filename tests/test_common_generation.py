@@ -6,7 +6,7 @@ import pytest
 
 import torch
 
-from common.generation import generate, pad, shifted_logits, token_logprobs, truncate_at_stop
+from common.generation import generate, pad, shared_prefix_cache, shifted_logits, token_logprobs, truncate_at_stop
 from common.models import load_policy
 from tests.conftest import FixedLogits
 
@@ -139,3 +139,19 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_model, tokenizer):
     split = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33], batch_size=1)[2]
     assert torch.equal(together[1], alone[0]) and torch.equal(together, split)
     assert not torch.equal(together[1], together[2])  # same prompt, other seed: another sample
+
+
+def test_every_rank_makes_the_same_model_calls_whatever_its_prompt_width(tiny_model, tokenizer):
+    """DDP and ZeRO-3 communicate inside each model call, so a rank whose prompts are one token wide
+    (nothing to share) must call the model as often as a rank with wider prompts: twice per
+    shifted_logits (the prefix pass, then the rest)."""
+    model = load_policy(tiny_model, tokenizer)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    for width in (1, 3):
+        ids = torch.arange(2 * (width + 2)).view(2, width + 2) % 50 + 10
+        calls.clear()
+        with torch.no_grad():
+            shifted_logits(model, ids, torch.ones_like(ids), start=width - 1)
+        assert len(calls) == 2, (width, len(calls))
+    assert shared_prefix_cache(model, ids, torch.ones_like(ids), 0) is None  # length 0: the caller runs full rows
