@@ -34,7 +34,7 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
@@ -311,14 +311,12 @@ def main(args: Args):
                 repeated = [i for i in order[start:start + per_batch] for _ in range(args.num_generations)]
                 yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
 
-    def completion_logps(policy, input_ids, attention_mask, prompt_width):
-        """Per-token logprobs (at the sampling temperature) and entropies of the completion part."""
+    def completion_logps(policy, input_ids, attention_mask, prompt_width, entropy: bool = False):
+        """Per-token logprobs (at the sampling temperature) of the completion part, and with entropy=True
+        (the training pass, whose entropy is logged) their entropies."""
         logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
         logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
-        with torch.no_grad():
-            dist = torch.log_softmax(logits.float() / args.temperature, dim=-1)
-            entropy = -(dist.exp() * dist).sum(-1)
-        return logps, entropy
+        return (logps, token_entropy(logits, args.temperature)) if entropy else logps
 
     prompts_iter = prompt_batches()
     for _ in range(resumed.get("episode", 0) // args.generation_batch_size):  # the data position: a batch per rollout
@@ -379,10 +377,10 @@ def main(args: Args):
             with torch.no_grad():
                 old_logps = ref_logps = [None] * len(micro)
                 if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width) for s in micro]
                 if args.beta:
                     with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width)[0] for s in micro]
+                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width) for s in micro]
 
         # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
         for _ in range(args.num_iterations - step % args.num_iterations):
@@ -391,7 +389,7 @@ def main(args: Args):
             stats = torch.zeros(6, device=accelerator.device)  # loss, kl, entropy, clip low, high, region
             for m, s in enumerate(micro):
                 with accelerator.accumulate(model):
-                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width)
+                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width, entropy=True)
                     old = old_logps[m] if old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
                     is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                     if sampler_logps is not None and args.vllm_importance_sampling_cap:

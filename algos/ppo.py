@@ -32,7 +32,7 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, real_positions, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import generate, real_positions, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
@@ -338,8 +338,8 @@ def main(args: Args):
             ref = ref_model if ref_model is not None else policy
             with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
                 ref_logits = shifted_logits(ref, input_ids[s], attention_mask[s], prompt_width - 1, share_prefix=False)
-            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits / args.temperature,
-                                                                                 response_ids[s]), values))
+            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s],
+                                                                                 args.temperature), values))
         return (torch.cat(x) for x in zip(*outs))
 
     batches = prompt_batches()
@@ -432,8 +432,7 @@ def main(args: Args):
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
-                        dist = torch.log_softmax(logits.float(), dim=-1)
-                        entropy = masked_mean(-(dist.exp() * dist).sum(-1), m)
+                        entropy = masked_mean(token_entropy(logits), m)
                         r = masked_mean(ratio, m)
                         stats += torch.stack([pg_loss.detach(), vf_loss.detach(), pg_clipfrac, vf_clipfrac, approxkl.detach(),
                                               entropy, r, masked_mean(ratio.detach() ** 2, m)])

@@ -33,7 +33,7 @@ from transformers import get_scheduler
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
@@ -313,19 +313,17 @@ def main(args: Args):
                 repeated = [i for i in order[start:start + per_batch] for _ in range(args.rloo_k)]
                 yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
 
-    def completion_logps(policy, input_ids, attention_mask, prompt_width):
-        """Per-token logprobs (at the sampling temperature) and entropies of the completion part."""
+    def completion_logps(policy, input_ids, attention_mask, prompt_width, entropy: bool = False):
+        """Per-token logprobs (at the sampling temperature) of the completion part, and with entropy=True
+        (the training pass, whose entropy is logged) their entropies."""
         logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
         logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
-        with torch.no_grad():
-            dist = torch.log_softmax(logits.float() / args.temperature, dim=-1)
-            entropy = -(dist.exp() * dist).sum(-1)
-        return logps, entropy
+        return (logps, token_entropy(logits, args.temperature)) if entropy else logps
 
     def no_grad_logps(policy, input_ids, attention_mask, prompt_width):
         with torch.no_grad():
             return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
-                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width)[0]
+                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
@@ -409,7 +407,7 @@ def main(args: Args):
                     first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
                     idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width)
+                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width, entropy=True)
                         is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                         if sampler is not None and args.vllm_importance_sampling_cap:
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)

@@ -142,9 +142,49 @@ def is_partitioned(model) -> bool:
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(labels[t]) under logits[t] / temperature, per position (shapes [B, T, V] -> [B, T]).
-    Sampling used the same temperature, so training logprobs must too."""
-    logits = logits.float() / temperature
-    return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    Sampling used the same temperature, so training logprobs must too. Computed a chunk of positions
+    at a time (about 2^21 logits), and the backward pass recomputes their softmax: an fp32 copy of the
+    logits exists only for the chunk being worked on (the whole batch's, at a 150k vocabulary and
+    2 x 1024 positions, would be 1.2 GB, and autograd would keep it until backward)."""
+    return _SelectiveLogSoftmax.apply(logits, labels, temperature)
+
+
+def _chunks(logits, elements: int = 2**21):
+    """(row, positions) index pairs covering [B, T, V] logits, each about `elements` logits (8 MiB in fp32)."""
+    size = max(1, elements // logits.shape[-1])
+    return ((b, slice(t, t + size)) for b in range(logits.shape[0]) for t in range(0, logits.shape[1], size))
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature):
+        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        for c in _chunks(logits):
+            z = logits[c].float() / temperature  # not div_: for fp32 logits .float() is the logits themselves
+            out[c] = z.gather(-1, labels[c][:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for c in _chunks(logits):  # d/dz (z_y / T - logsumexp(z / T)) = (onehot(y) - softmax(z / T)) / T
+            g = torch.softmax(logits[c].float() / ctx.temperature, dim=-1).mul_(-grad[c][:, None])
+            grad_logits[c] = g.scatter_add_(-1, labels[c][:, None], grad[c][:, None]).div_(ctx.temperature)
+        return grad_logits, None, None
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, elements: int = 2**21) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position ([B, T, V] -> [B, T]), for logging:
+    a chunk of positions at a time, so no fp32 copy of the whole [B, T, V] exists."""
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for c in _chunks(logits, elements):
+        logp = torch.log_softmax(logits[c].float() / temperature, dim=-1)
+        out[c] = -(logp.exp() * logp).sum(-1)
+    return out
 
 
 def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:

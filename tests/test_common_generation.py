@@ -6,7 +6,8 @@ import pytest
 
 import torch
 
-from common.generation import generate, pad, shared_prefix_cache, shifted_logits, token_logprobs, truncate_at_stop
+from common.generation import (generate, pad, shared_prefix_cache, shifted_logits, token_entropy, token_logprobs,
+                               truncate_at_stop)
 from common.models import load_policy
 from tests.conftest import FixedLogits
 
@@ -155,3 +156,24 @@ def test_every_rank_makes_the_same_model_calls_whatever_its_prompt_width(tiny_mo
             shifted_logits(model, ids, torch.ones_like(ids), start=width - 1)
         assert len(calls) == 2, (width, len(calls))
     assert shared_prefix_cache(model, ids, torch.ones_like(ids), 0) is None  # length 0: the caller runs full rows
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 11), (2, 30, 2**19)])  # 2^19 vocabulary: chunks of 4 positions, the last of 2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_and_entropy_equal_the_whole_tensor_formula(dtype, shape):
+    """Values and gradients of the chunked log-softmax (its own backward) against log_softmax of the
+    whole fp32 tensor, at a temperature other than 1; a dropped temperature, or logits changed in
+    place (fp32 .float() is no copy), would fail it."""
+    torch.manual_seed(0)
+    logits = (torch.randn(*shape) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(shape[2], shape[:2])
+    weights = torch.randn(shape[:2])  # a loss that weighs positions differently
+    full = torch.log_softmax(logits.float() / 0.7, dim=-1)
+    expected = full.gather(-1, labels[..., None]).squeeze(-1)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
+    got = token_logprobs(logits, labels, temperature=0.7)
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-6)
+    assert got_grad.dtype == dtype and torch.allclose(got_grad.float(), expected_grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    entropy = -(full.exp() * full).sum(-1)
+    assert torch.allclose(token_entropy(logits, 0.7, elements=4 * shape[2]), entropy, atol=1e-6)  # 4 positions a chunk
