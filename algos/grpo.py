@@ -174,7 +174,8 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
     disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's ratio is 1 (as TRL)"""
+    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's
+    ratio is 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False

@@ -151,7 +151,8 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
     disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then exact, not noisy (as TRL)"""
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
+    exact, not noisy (as TRL)"""
 
     # filled in at runtime
     world_size: int = 0
