@@ -40,3 +40,5 @@ with torch.no_grad():
 with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as f:
     json.dump({"collectives_while_generating": calls["count"], "tokens": int(completion.shape[1]),
                "same_logits": bool(torch.allclose(sharded, whole, atol=1e-5) and torch.allclose(again, whole, atol=1e-5))}, f)
+accelerator.wait_for_everyone()
+accelerator.end_training()  # the gloo group goes down on both ranks together, not in the interpreter's teardown
