@@ -22,7 +22,7 @@ are timed per rollout and divided by the updates in it.
     pip install 'minimal-post-training[bench]'                  # trl==1.16.0
     python benchmarks/vs_trl.py                                 # tiny task, all scripts, 2 runs of 12 steps
     python benchmarks/vs_trl.py --scripts sft dpo --runs 3 --steps 20
-    python benchmarks/vs_trl.py --model smollm2                 # grpo and dpo on SmolLM2-135M-Instruct
+    python benchmarks/vs_trl.py --model smollm2 --runs 2 --steps 4   # every script on SmolLM2-135M-Instruct
 
 Writes benchmarks/results/vs_trl.json and vs_trl.md (one section per --model; a new run replaces its
 model's section). The ratio is TRL's seconds per step over ours: above 1, ours is faster.
@@ -103,11 +103,16 @@ TRL_FIXED = {
 }
 # shapes for SmolLM2-135M on a CPU: a step of a few seconds (the rest stays at the scripts' defaults)
 SMOLLM2_SHAPES = {
+    "sft": {"per_device_train_batch_size": 4, "max_length": 256},
+    "reward": {"per_device_train_batch_size": 2, "max_length": 256},
     "dpo": {"per_device_train_batch_size": 2, "max_length": 256, "max_prompt_length": 192, "max_completion_length": 64},
+    "kto": {"per_device_train_batch_size": 2, "max_length": 256, "max_prompt_length": 192, "max_completion_length": 64},
     "grpo": {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 32,
              "max_prompt_length": 256},
+    "rloo": {"per_device_train_batch_size": 4, "rloo_k": 4, "max_completion_length": 32, "max_prompt_length": 256},
+    "online_dpo": {"per_device_train_batch_size": 2, "max_new_tokens": 32, "max_length": 256},
 }
-MODELS = {"tiny": ALGOS, "smollm2": tuple(SMOLLM2_SHAPES)}  # ppo: skipped, with the reason, where TRL has none
+MODELS = {"tiny": ALGOS, "smollm2": (*SMOLLM2_SHAPES, "ppo")}  # ppo: skipped, with the reason, where TRL has none
 
 NOT_MATCHED = [
     "Sampling RNG: our scripts draw each completion with its own seeded torch.Generator (common/generation.py, "
@@ -138,7 +143,7 @@ NOT_MATCHED = [
 @dataclass
 class Args:
     scripts: list[Literal["sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]] | None = None
-    """scripts to compare (default: every one for --model tiny; grpo and dpo for smollm2)"""
+    """scripts to compare (default: every one)"""
     model: Literal["tiny", "smollm2"] = "tiny"
     """tiny: the tiny TL;DR task (the SFT policy the scripts make); smollm2: SmolLM2-135M-Instruct on conversational prompts"""
     runs: int = 2
@@ -257,8 +262,12 @@ def data_files(work: str, model: str) -> dict:
     pairs = _write_jsonl(os.path.join(work, "chat_preference.jsonl"), (
         {"prompt": ask(r["prompt"]), "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
          "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in _read_jsonl(pref)))
-    prompts = _write_jsonl(os.path.join(work, "chat_prompts.jsonl"), ({"prompt": ask(r["prompt"])} for r in _read_jsonl(sft)))
-    return {"dpo": pairs, "grpo": prompts}
+    rows = _read_jsonl(sft)
+    prompts = _write_jsonl(os.path.join(work, "chat_prompts.jsonl"), ({"prompt": ask(r["prompt"])} for r in rows))
+    completions = _write_jsonl(os.path.join(work, "chat_sft.jsonl"), (
+        {"prompt": ask(r["prompt"]), "completion": [{"role": "assistant", "content": r["completion"].strip()}]}
+        for r in rows))
+    return {"sft": completions, "reward": pairs, "dpo": pairs, "kto": pairs, **dict.fromkeys(ONLINE, prompts)}
 
 
 def longest_in_tokens(model_path: str, data_file: str) -> dict:
@@ -282,7 +291,7 @@ def starting_models(args: Args, work: str, scripts: list[str]) -> dict:
     if args.model == "smollm2":
         from benchmarks import smollm2
 
-        return dict.fromkeys(MODELS["smollm2"], smollm2.build())
+        return dict.fromkeys(ALGOS, smollm2.build())
     sft = args.sft_model_path
     if sft is None and set(scripts) - {"sft"}:
         sft = build(os.path.join(work, "chain_sft"), ["algos/sft.py", *NO_EVAL["sft"]], args)
