@@ -252,6 +252,16 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "d
     return loss, ratio.expand_as(logps)
 
 
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
+    """The policy's log-probability of each completion token, input_ids[:, prompt_width:], from the
+    logits one position earlier divided by the sampling temperature (the distribution the tokens were
+    drawn from); with entropy=True also each position's entropy (the training pass, which logs it).
+    Prompts are left-padded to prompt_width; positions count real tokens only."""
+    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)
+    return (logps, token_entropy(logits, temperature)) if entropy else logps
+
+
 def main(args: Args):
     accelerator = setup(args)
     # ---- batch sizes: checked before anything loads ----
@@ -312,13 +322,6 @@ def main(args: Args):
                 repeated = [i for i in order[start:start + per_batch] for _ in range(args.num_generations)]
                 yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
 
-    def completion_logps(policy, input_ids, attention_mask, prompt_width, entropy: bool = False):
-        """Per-token logprobs (at the sampling temperature) of the completion part, and with entropy=True
-        (the training pass, whose entropy is logged) their entropies."""
-        logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-        logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
-        return (logps, token_entropy(logits, args.temperature)) if entropy else logps
-
     prompts_iter = prompt_batches()
     for _ in range(resumed.get("episode", 0) // args.generation_batch_size):  # the data position: a batch per rollout
         next(prompts_iter)
@@ -378,10 +381,12 @@ def main(args: Args):
             with torch.no_grad():
                 old_logps = ref_logps = [None] * len(micro)
                 if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width) for s in micro]
+                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width, args.temperature)
+                                 for s in micro]
                 if args.beta:
                     with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width) for s in micro]
+                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width, args.temperature)
+                                     for s in micro]
 
         # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
         for _ in range(args.num_iterations - step % args.num_iterations):
@@ -390,7 +395,8 @@ def main(args: Args):
             stats = torch.zeros(6, device=accelerator.device)  # loss, kl, entropy, clip low, high, region
             for m, s in enumerate(micro):
                 with accelerator.accumulate(model):
-                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width, entropy=True)
+                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width,
+                                                      args.temperature, entropy=True)
                     old = old_logps[m] if old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
                     is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                     if sampler_logps is not None and args.vllm_importance_sampling_cap:

@@ -261,6 +261,20 @@ def logps_from(model, batch, device, share_prompts: bool = False):
     return sequence_logps(logits, input_ids[:, start:], completion_mask[:, start:])
 
 
+@torch.no_grad()
+def kl_logratios(policy, reference_scope, examples, pad_id: int, max_length: int, device):
+    """log pi - log pi_ref of a micro-batch's mismatched pairs (prompt i with completion i - 1, from
+    kl_pairs: the reference point must not see a row's own completion), and the reference's logps of
+    the rows themselves. `reference_scope`: a context that yields the reference model (with LoRA, the
+    policy with its adapters off); it scores both kinds of rows in one call, where row i and its KL
+    row share prompt i."""
+    rows, mismatched = [(p, c) for p, c, _ in examples], kl_pairs(examples, max_length)
+    with reference_scope as ref:
+        ref_logps = logps_from(ref, build(rows + mismatched, pad_id), device, share_prompts=True)
+    kl_logps = logps_from(policy, build(mismatched, pad_id), device)
+    return kl_logps - ref_logps[len(rows):], ref_logps[:len(rows)]
+
+
 def main(args: Args):
     if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
         raise UserError("KTO estimates its KL reference point from mismatched rows of a batch: "
@@ -324,19 +338,6 @@ def main(args: Args):
     accelerator.print(f"{len(train_examples)} training rows ({num_desirable} desirable), {args.num_steps} steps of "
                       f"{args.total_batch_size}, loss {args.loss_type}, beta {args.beta}")
 
-    @torch.no_grad()
-    def kl_logratios(examples, policy):
-        """(log pi - log pi_ref of the micro-batch's mismatched (prompt, other completion) pairs, and
-        the reference's logps of its own rows): the reference scores both kinds of rows in one call,
-        in which row i and its KL row share prompt i."""
-        rows = [(p, c) for p, c, _ in examples]
-        with reference(accelerator, model, ref_model) as ref:
-            ref_logps = logps_from(ref, build(rows + kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
-                                   accelerator.device, share_prompts=True)
-        kl_logps = logps_from(policy, build(kl_pairs(examples, args.max_length), tokenizer.pad_token_id),
-                              accelerator.device)
-        return kl_logps - ref_logps[len(rows):], ref_logps[:len(rows)]
-
     def batch_stats(examples, policy, kl=None, ref_logps=None):
         """Loss and metric sums of one micro-batch: the loss is its mean over rows; the metric sums
         (loss, rewards, logps per class, class counts, kl) are divided after reduction. kl: the
@@ -346,7 +347,8 @@ def main(args: Args):
         labels = labels.to(accelerator.device)
         logps = logps_from(policy, batch, accelerator.device)
         if kl is None and args.loss_type == "kto":
-            kl_ratios, ref_logps = kl_logratios(examples, policy)
+            kl_ratios, ref_logps = kl_logratios(policy, reference(accelerator, model, ref_model), examples,
+                                                tokenizer.pad_token_id, args.max_length, accelerator.device)
             kl = kl_reference_point(kl_ratios, 0.0)
         if ref_logps is None:
             with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
@@ -416,7 +418,9 @@ def main(args: Args):
         micro = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         z0, ref_logps = torch.zeros((), device=accelerator.device), [None] * len(micro)
         if args.loss_type == "kto":  # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
-            kl_ratios, ref_logps = zip(*[kl_logratios(m, model) for m in micro])
+            kl_ratios, ref_logps = zip(*[kl_logratios(model, reference(accelerator, model, ref_model), m,
+                                                      tokenizer.pad_token_id, args.max_length, accelerator.device)
+                                         for m in micro])
             z0 = kl_reference_point(accelerator.gather(torch.cat(kl_ratios)), 0.0)
         totals = 0
         for examples, ref_m in zip(micro, ref_logps):

@@ -193,6 +193,22 @@ def select_chosen(scores: torch.Tensor) -> torch.Tensor:
     return (scores[:, 1] > scores[:, 0]).long()
 
 
+def judge_scores(picks) -> torch.Tensor:
+    """A pairwise judge ranks without scores: per pair [1 - pick, pick], so its pick scores 1."""
+    return torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten()
+
+
+def pair_rows(scores: torch.Tensor):
+    """Rows 2j and 2j + 1 hold prompt j's two completions, scored `scores` [2B] (NaN: unscored).
+    Returns the chosen rows (the higher score; a tie: the first), the rejected rows, and which pairs
+    are ranked: a pair with an unscored completion cannot be, and stays out of the loss."""
+    pairs = scores.view(-1, 2)
+    ranked = ~pairs.isnan().any(dim=1)
+    chosen = select_chosen(pairs.nan_to_num())
+    first = torch.arange(len(pairs), device=scores.device) * 2
+    return first + chosen, first + 1 - chosen, ranked
+
+
 def online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
                     loss_type: str = "sigmoid"):
     """Per-pair losses and implicit rewards beta * log(pi / pi_ref) (detached); logps are sums
@@ -301,8 +317,7 @@ def main(args: Args):
                            for p, t in zip(prompts, texts)]
             if judge is not None:
                 picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
-                # a judge ranks without scores: the pick scores 1, the other 0
-                scores = torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten().to(accelerator.device)
+                scores = judge_scores(picks).to(accelerator.device)
             else:
                 scores = compute_rewards(sources, weights, prompts, completions,
                                          {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
@@ -310,15 +325,10 @@ def main(args: Args):
                 scores = scores.to(accelerator.device)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
-            pairs = scores.view(-1, 2)
-            # a pair with an unscorable completion (no reward source scored it: NaN) cannot be
-            # ranked: it stays out of the loss (its share of the mean is 0); score metrics count it as 0
-            unscored = pairs.isnan().float().mean()
-            ranked = ~pairs.isnan().any(dim=1)
-            pairs = pairs.nan_to_num()
-            chosen_idx = select_chosen(pairs)
-            rows_c = torch.arange(len(indices), device=accelerator.device) * 2 + chosen_idx
-            rows_r = torch.arange(len(indices), device=accelerator.device) * 2 + 1 - chosen_idx
+            # a pair with an unscorable completion (no reward source scored it: NaN) stays out of the
+            # loss (its share of the mean is 0); score metrics count it as 0
+            rows_c, rows_r, ranked = pair_rows(scores)
+            unscored, pairs = scores.isnan().float().mean(), scores.nan_to_num().view(-1, 2)
 
             # ---- UPDATE: the DPO loss on (chosen, rejected) against the reference ----
             with accelerator.accumulate(model):
@@ -337,9 +347,9 @@ def main(args: Args):
                 optimizer.step()
                 optimizer.zero_grad()
             kl = (logps.detach() - ref_logps).view(-1, 2).mean(1)  # per prompt, over its two samples
-            scores_by_pair = pairs.gather(1, torch.stack([chosen_idx, 1 - chosen_idx], 1))
+            margin = (pairs.flatten()[rows_c] - pairs.flatten()[rows_r]).mean()
             stats += torch.stack([
-                loss.detach(), kl.mean(), -logps.detach().mean(), pairs.mean(), (scores_by_pair[:, 0] - scores_by_pair[:, 1]).mean(),
+                loss.detach(), kl.mean(), -logps.detach().mean(), pairs.mean(), margin,
                 reward_c.mean(), reward_r.mean(), (reward_c > reward_r).float().mean(), logps.detach()[rows_c].mean(),
                 logps.detach()[rows_r].mean(), finished.float().mean(), (pairs.mean(1) - beta * kl).mean(), unscored])
         scheduler.step()
@@ -361,7 +371,7 @@ def main(args: Args):
             metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(prompts[2 * j])[-80:], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
-                                  "margin": float(scores_by_pair[j, 0] - scores_by_pair[j, 1])}
+                                  "margin": float(pairs.flatten()[rows_c[j]] - pairs.flatten()[rows_r[j]])}
                                  for j in range(min(args.num_sample_generations, len(indices)))], step)
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {"episode": episode})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values

@@ -273,6 +273,26 @@ class PolicyAndValue(torch.nn.Module):
         return logits / temperature, values.float()
 
 
+@torch.no_grad()
+def rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width: int, temperature: float, chunk_size: int):
+    """The rollout's fixed quantities at each response position t (tokens input_ids[:, prompt_width:],
+    prompts left-padded to prompt_width), in chunks of rows, without gradients: log pi_old(y_t) and
+    log pi_ref(y_t), both from the logits before y_t divided by the sampling temperature, and V(s_t),
+    the value of the state before y_t. `model`: a PolicyAndValue (possibly wrapped for DDP);
+    `ref_model` None: the policy with its LoRA adapters off."""
+    policy, outs = getattr(model, "module", model).policy, []
+    response_ids = input_ids[:, prompt_width:]
+    for i in range(0, len(input_ids), chunk_size):
+        s = slice(i, i + chunk_size)
+        logits, values = model(input_ids[s], attention_mask[s], prompt_width, temperature)
+        with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
+            ref_logits = shifted_logits(policy if ref_model is None else ref_model, input_ids[s], attention_mask[s],
+                                        prompt_width - 1, share_prefix=False)
+        outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s], temperature),
+                     values))
+    return tuple(torch.cat(x) for x in zip(*outs))
+
+
 def main(args: Args):
     accelerator = setup(args)
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
@@ -328,21 +348,6 @@ def main(args: Args):
             for start in range(0, len(order) - args.rollout_batch_size + 1, args.rollout_batch_size):
                 yield order[start:start + args.rollout_batch_size][accelerator.process_index * local_size:][:local_size]
 
-    @torch.no_grad()
-    def rollout_forward(input_ids, attention_mask, prompt_width, response_ids):
-        """Sampling-time logprobs, reference logprobs and values, in chunks (no gradients)."""
-        outs = []
-        policy = accelerator.unwrap_model(model).policy
-        for i in range(0, len(input_ids), args.local_rollout_forward_batch_size):
-            s = slice(i, i + args.local_rollout_forward_batch_size)
-            logits, values = model(input_ids[s], attention_mask[s], prompt_width, args.temperature)
-            ref = ref_model if ref_model is not None else policy
-            with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
-                ref_logits = shifted_logits(ref, input_ids[s], attention_mask[s], prompt_width - 1, share_prefix=False)
-            outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s],
-                                                                                 args.temperature), values))
-        return (torch.cat(x) for x in zip(*outs))
-
     batches = prompt_batches()
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     start_time, episode, push_seconds = time.time(), 0, float("nan")
@@ -374,7 +379,8 @@ def main(args: Args):
         input_ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
         prompt_width, mask = p_ids.shape[1], r_mask.float()
         episode += args.rollout_batch_size
-        old_logps, ref_logps, old_values = rollout_forward(input_ids, attention_mask, prompt_width, r_ids)
+        old_logps, ref_logps, old_values = rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width,
+                                                        args.temperature, args.local_rollout_forward_batch_size)
         old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
 
         # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail). The reward

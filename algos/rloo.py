@@ -254,6 +254,16 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
     return (values - mean) / (var.sqrt() + 1e-8) * mask
 
 
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
+    """The policy's log-probability of each completion token, input_ids[:, prompt_width:], from the
+    logits one position earlier divided by the sampling temperature (the distribution the tokens were
+    drawn from); with entropy=True also each position's entropy (the training pass, which logs it).
+    Prompts are left-padded to prompt_width; positions count real tokens only."""
+    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)
+    return (logps, token_entropy(logits, temperature)) if entropy else logps
+
+
 def main(args: Args):
     accelerator = setup(args)
     # ---- batch sizes: checked before anything loads ----
@@ -314,17 +324,11 @@ def main(args: Args):
                 repeated = [i for i in order[start:start + per_batch] for _ in range(args.rloo_k)]
                 yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
 
-    def completion_logps(policy, input_ids, attention_mask, prompt_width, entropy: bool = False):
-        """Per-token logprobs (at the sampling temperature) of the completion part, and with entropy=True
-        (the training pass, whose entropy is logged) their entropies."""
-        logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-        logps = token_logprobs(logits, input_ids[:, prompt_width:], args.temperature)
-        return (logps, token_entropy(logits, args.temperature)) if entropy else logps
-
     def no_grad_logps(policy, input_ids, attention_mask, prompt_width):
         with torch.no_grad():
             return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
-                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width)
+                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width,
+                                               args.temperature)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
@@ -408,7 +412,8 @@ def main(args: Args):
                     first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
                     idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width, entropy=True)
+                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
+                                                          args.temperature, entropy=True)
                         is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                         if sampler is not None and args.vllm_importance_sampling_cap:
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)

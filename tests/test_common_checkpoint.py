@@ -28,6 +28,9 @@ STEPS = 6
 
 def argv(script, out, models, *extra):
     (sft_model, rm_model), (flags, _) = models, CASES[script]
+    if "--reward_funcs" in extra:  # extra's reward function replaces the case's
+        i = flags.index("--reward_funcs")
+        flags = flags[:i] + flags[i + 2:]
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
         model += ["--reward_model_path", rm_model]
@@ -47,16 +50,27 @@ def weights(out):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=() if s == "sft" else pytest.mark.resume) for s in CASES])
-def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm_model, script):
+# besides every script as CASES runs it, in the default suite: an offline and an online script under
+# gradient accumulation 2 (the data position and the accumulated micro-batches must resume exactly);
+# grpo also with 2 iterations per generation batch (a stop between them), a KL term and a reward
+# function that leaves some completions unscored
+ACCUMULATION = ["--gradient_accumulation_steps", "2"]
+GRPO_HARD = [*ACCUMULATION, "--beta", "0.1", "--reward_funcs", "tests.toy_rewards:short_or_none"]
+VARIANTS = [pytest.param(s, [], marks=() if s == "sft" else pytest.mark.resume, id=s) for s in CASES] + [
+    pytest.param("sft", ACCUMULATION, id="sft-accumulation"), pytest.param("grpo", GRPO_HARD, id="grpo-accumulation")]
+
+
+@pytest.mark.parametrize("script, extra", VARIANTS)
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm_model, script, extra):
     models = (sft_model, rm_model)
     full, again, cut = tmp_path / "full", tmp_path / "again", tmp_path / "cut"
-    run_script(*argv(script, full, models))
-    run_script(*argv(script, again, models))
-    assert records(again) == records(full)  # determinism: same seed, same command, same metrics
+    run_script(*argv(script, full, models, *extra))
+    if not extra:  # determinism: same seed, same command, same metrics
+        run_script(*argv(script, again, models))
+        assert records(again) == records(full)
     assert len([r for r in records(full) if "lr" in r]) == STEPS
 
-    proc = subprocess.Popen([sys.executable, *argv(script, cut, models)], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, *argv(script, cut, models, *extra)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     log, deadline = cut / "logs" / "r.jsonl", time.time() + 300
     while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
@@ -70,18 +84,20 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm
     assert 1 <= stopped_at < STEPS and line.endswith("continue with --resume_from_checkpoint latest")
     assert os.listdir(cut / "checkpoints") == [f"step_{stopped_at}"] and not (cut / "config.json").exists()
 
-    resumed = run_script(*argv(script, cut, models, "--resume_from_checkpoint", "latest"))
+    resumed = run_script(*argv(script, cut, models, *extra, "--resume_from_checkpoint", "latest"))
     assert f"resumed from {cut / 'checkpoints' / f'step_{stopped_at}'} at step {stopped_at}" in resumed.stdout
     a, b = weights(full), weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
     assert records(cut) == records(full)
     if script == "grpo":  # num_iterations 2: a checkpoint after step 1 holds the half-used generation batch
         mid = tmp_path / "mid"
-        run_script(*argv(script, mid, models, "--save_steps", "1", "--save_total_limit", "9"))
-        run_script(*argv(script, mid, models, "--resume_from_checkpoint", str(mid / "checkpoints" / "step_1"),
+        run_script(*argv(script, mid, models, *extra, "--save_steps", "1", "--save_total_limit", "9"))
+        run_script(*argv(script, mid, models, *extra, "--resume_from_checkpoint", str(mid / "checkpoints" / "step_1"),
                          "--overwrite_output_dir"))
         b = weights(mid)
         assert all(torch.equal(a[k], b[k]) for k in a) and records(mid) == records(full)
+    if extra == GRPO_HARD:  # the unscored completions were there, and were left out rather than scored 0
+        assert 0 < max(r["completions/unscored_ratio"] for r in records(full)) < 1
     print(script, "stopped after step", stopped_at, "of", STEPS)
 
 

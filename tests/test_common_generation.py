@@ -64,6 +64,23 @@ def test_left_and_right_padding_give_the_same_logprobs(tiny_model, tokenizer):
     assert torch.allclose(results[0], results[1], atol=1e-5)
 
 
+def test_left_padded_rows_give_their_own_logprobs_on_a_model_with_absolute_positions():
+    """RoPE models (the tiny one, Llama, Qwen) give the same values whatever a row's first position, so
+    only a model with learned absolute positions (GPT-2, OPT) shows positions counted over padding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
+    seqs = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    ids, mask = pad(seqs, 0, side="left")
+    with torch.no_grad():
+        batched = token_logprobs(shifted_logits(model, ids, mask), ids[:, 1:])
+        for row, seq in zip(batched, seqs):
+            alone = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1], -1)
+            expected = alone.gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
+            assert torch.allclose(row[-len(seq) + 1:], expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_rows_sharing_a_prefix_give_each_rows_own_logprobs_and_gradients(tiny_model, tokenizer, side):
     """shifted_logits runs a prefix shared by several rows once and continues each row from its
@@ -100,20 +117,25 @@ def test_rows_sharing_a_prefix_give_each_rows_own_logprobs_and_gradients(tiny_mo
         assert torch.allclose(g, h, atol=1e-5, rtol=1e-4)
 
 
-def test_generate_returns_masked_completions(tiny_model, tokenizer):
-    torch.manual_seed(0)
+def test_generate_returns_masked_completions_cut_at_the_first_stop_token(tiny_model, tokenizer):
     model = load_policy(tiny_model, tokenizer)
-    prompts = [tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids]
-    prompt_ids, prompt_mask, ids, mask, finished = generate(model, tokenizer, prompts, max_new_tokens=6,
-                                                            temperature=1.0, batch_size=1)
-    assert prompt_ids.shape[0] == 2 and prompt_mask[0, 0] == 0  # left-padded
-    assert ids.shape == (2, 6) and mask.shape == (2, 6)
-    assert (ids[mask == 0] == tokenizer.pad_token_id).all()
-    for row, m, f in zip(ids, mask, finished):
-        kept = row[m.bool()].tolist()
-        assert (tokenizer.eos_token_id in kept) == bool(f)
-        if f:
-            assert kept.index(tokenizer.eos_token_id) == len(kept) - 1
+    prompts = [tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids] * 2
+    sample = dict(max_new_tokens=6, temperature=1.0, batch_size=2, seeds=[0, 1, 2, 3])
+    free = generate(model, tokenizer, prompts, **sample)[2]
+    # the tiny model rarely samples EOS in 6 tokens: make row 0's third token a stop token too (as a
+    # chat model's generation_config adds <|im_end|> to the tokenizer's EOS), so that rows do finish
+    stop = free[0, 2].item()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    prompt_ids, prompt_mask, ids, mask, finished = generate(model, tokenizer, prompts, **sample)
+    assert prompt_ids.shape[0] == 4 and prompt_mask[0, 0] == 0  # left-padded
+    assert ids.shape == (4, 6) and mask.shape == (4, 6)
+    assert ids[0, :3].tolist() == free[0, :3].tolist() and mask[0].tolist() == [1, 1, 1, 0, 0, 0] and finished[0]
+    for row, m, f, sampled in zip(ids, mask, finished, free):
+        hits = [j for j, t in enumerate(sampled.tolist()) if t in (stop, tokenizer.eos_token_id)]
+        n = hits[0] + 1 if hits else 6  # up to and including the first stop token; the seeds fix the samples
+        assert bool(f) == bool(hits) and m.tolist() == [1] * n + [0] * (6 - n)
+        assert row[:n].tolist() == sampled[:n].tolist() and (row[n:] == tokenizer.pad_token_id).all()
+    assert not finished.all()  # both kinds of row are checked
 
 
 def test_seeded_sampler_draws_from_the_warped_distribution():

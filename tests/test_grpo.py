@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from algos import grpo
 from common.runtime import UserError
@@ -117,6 +118,21 @@ def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
                             beta=beta, max_steps=1, per_device_train_batch_size=4, num_generations=2,
                             max_completion_length=4, gold_eval_split="", output_dir=str(tmp_path / f"b{beta}")))
         assert len(loaded) == (1 if beta == 0 else 2)
+
+
+def test_with_every_completion_unscored_the_weights_do_not_move(tmp_path, sft_model):
+    """A reward function that applies to nothing: no advantage anywhere, and the KL term has no
+    gradient while the policy equals the reference, so 2 steps of 2 iterations change no weight."""
+    out = str(tmp_path / "grpo")
+    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths",
+               "--reward_funcs", "tests.toy_rewards:none", "--beta", "0.1", "--num_iterations", "2",
+               "--gradient_accumulation_steps", "2", "--max_completion_length", "6", "--max_steps", "2",
+               "--per_device_train_batch_size", "4", "--num_generations", "4", "--logging_steps", "1",
+               "--gold_eval_split", "", "--output_dir", out)
+    log = read_log(out)
+    assert len(log) == 2 and all(r["completions/unscored_ratio"] == 1.0 for r in log)
+    before, after = load_file(os.path.join(sft_model, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):

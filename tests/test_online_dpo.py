@@ -46,7 +46,8 @@ def test_online_dpo_with_a_judge_switches_beta_per_epoch(tmp_path, sft_model):
              "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token", "beta"}
     assert names <= set(log[0])
     assert [r["beta"] for r in log] == [0.1] * 4 + [0.2] * 2  # 32 prompts / 8 per step = 4 steps an epoch
-    assert log[0]["objective/scores"] == 0.5  # a judge scores the pick 1 and the other 0
+    # a judge scores its pick 1 and the other 0: chosen must be the pick in every pair of every step
+    assert all(r["objective/scores_margin"] == 1.0 for r in log), [r["objective/scores_margin"] for r in log]
 
 
 def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):

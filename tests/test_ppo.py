@@ -19,6 +19,11 @@ def test_gae_hand_worked():
     advantages, returns = ppo.gae(rewards, values, gamma=1.0, lam=0.95)
     assert advantages[0].tolist() == pytest.approx([0.46575, 0.385, 0.3], rel=1e-6)
     assert returns[0].tolist() == pytest.approx([0.96575, 0.985, 1.0], rel=1e-6)
+    # discounted, gamma 0.9: t2 delta 0.3; t1 delta 0.9 * 0.7 - 0.6 = 0.03, A = 0.03 + 0.855 * 0.3 = 0.2865;
+    # t0 delta 0.9 * 0.6 - 0.5 = 0.04, A = 0.04 + 0.855 * 0.2865 = 0.2849575
+    advantages, returns = ppo.gae(rewards, values, gamma=0.9, lam=0.95)
+    assert advantages[0].tolist() == pytest.approx([0.2849575, 0.2865, 0.3], rel=1e-6)
+    assert returns[0].tolist() == pytest.approx([0.7849575, 0.8865, 1.0], rel=1e-6)
 
 
 def test_gae_loop_matches_a_discount_matrix():

@@ -6,15 +6,18 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from algos.reward import collate, reward_loss, rewards_of, tokenize
+from algos.reward import Args, collate, reward_loss, rewards_of, tokenize
+from benchmarks import tiny_tldr
+from common.data import load_split
+from common.models import load_tokenizer
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
 
 def test_bradley_terry_loss_hand_computed():
-    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
-    # -log sigmoid(1) and -log sigmoid(-1), averaged
-    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1))) / 2
+    chosen, rejected = torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.0])
+    # -log sigmoid(1) and -log sigmoid(-0.5), averaged (not symmetric: swapping the two changes it)
+    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(0.5))) / 2
     assert reward_loss(chosen, rejected).item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -61,10 +64,23 @@ def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
                       "--per_device_train_batch_size", "4", "--eval_steps", "3", "--output_dir", out)
     assert "held-out preference accuracy" in proc.stdout
     log = read_log(out)
-    assert len(log) == 3 and 0.0 <= log[-1]["eval_accuracy"] <= 1.0
+    assert len(log) == 3
     assert {"loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(log[0])
-    model = AutoModelForSequenceClassification.from_pretrained(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
+    # the logged accuracy (evaluated after step 3, the saved weights) against the saved model scoring
+    # each held-out sequence alone, unpadded, at its last token (EOS): chosen must beat rejected
+    tokenizer = load_tokenizer(out)
+    examples, _ = tokenize(load_split(tiny_tldr.local(tiny_tldr.TINY_PREFERENCE_DATA), "validation"), tokenizer,
+                           Args.max_length)
+    backbone = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        def score(ids):
+            return model.score(backbone(torch.tensor([ids])).last_hidden_state[0, -1]).item()
+        margins = torch.tensor([score(p + c) - score(p + r) for p, c, r, _ in examples])
+    near = (margins.abs() < 1e-4).sum().item()  # a pair this close may fall either way in a padded batch
+    expected = (margins > 0).float().mean().item()
+    assert abs(log[-1]["eval_accuracy"] - expected) <= near / len(examples) + 1e-9, (log[-1]["eval_accuracy"], expected)
 
 
 def test_reward_learns_a_small_preference_set(tmp_path, sft_model):

@@ -6,12 +6,14 @@ import itertools
 import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
 
 from benchmarks.tiny_tldr_eval import sequence_kl
 from tests.conftest import FixedLogits, run_script
+from tests.test_sft import read_log
 
 # next-token distributions over a 3-token vocabulary that depend only on the current token (row)
 P = [[0.1, 0.2, 0.7], [0.5, 0.25, 0.25], [0.6, 0.3, 0.1]]
@@ -76,6 +78,18 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
              ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo")}
     assert all(set(e) == {p, "oracle"} for p, e in evals.items())
     assert evals["sft"]["oracle"]["gold_score"] == 6
+    # the table's numbers are the evaluation's and the logs' (recomputed here from the files)
+    titles = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "grpo": "GRPO", "rloo": "RLOO", "online_dpo": "Online DPO",
+              "ppo": "PPO"}
+    for policy, title in titles.items():
+        e = evals[policy][policy]
+        cells = [c.strip() for c in next(line for line in lines if line.startswith(f"| {title}")).split("|")[2:-1]]
+        assert cells[0] == f"**{e['win_rate']:.1%} ± {e['win_rate_ci']:.1%}**", (title, cells[0])
+        assert cells[1:5] == [f"{e['gold_score']:.2f}", f"{e['rm_score']:.2f}", f"{e['kl']:.2f}", f"{e['mean_length']:.1f}"]
+        times = [r["time"] for r in read_log(str(tmp_path / "out" / policy)) if "lr" in r]
+        assert cells[6].startswith(f"{statistics.median(b - a for a, b in zip(times, times[1:])):.3f} (")
+    accuracy = [r["eval_accuracy"] for r in read_log(str(tmp_path / "out" / "reward")) if "eval_accuracy" in r][-1]
+    assert f"held-out preference accuracy: **{accuracy:.1%}**" in results.read_text()
 
 
 @pytest.mark.study

@@ -9,11 +9,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
-peft = pytest.importorskip("peft")
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
 
 
 def test_lora_dpo_reference_is_the_base_model_and_adapters_load_with_peft(tmp_path, sft_model):
+    peft = pytest.importorskip("peft")  # in the dev extra; only these tests need it
     out = str(tmp_path / "dpo")
     run_script("algos/dpo.py", "--model_name_or_path", sft_model, *LORA, "--max_steps", "3", "--learning_rate", "1e-2",
                "--per_device_train_batch_size", "4", "--dataset_test_split", "", "--gold_eval_split", "",
@@ -32,6 +32,7 @@ def test_lora_dpo_reference_is_the_base_model_and_adapters_load_with_peft(tmp_pa
 
 @pytest.mark.parametrize("script", ["reward", "grpo", "ppo"])
 def test_lora_runs_and_saves_adapters(tmp_path, sft_model, rm_model, script):
+    peft = pytest.importorskip("peft")
     out = str(tmp_path / script)
     flags = {"reward": ["--per_device_train_batch_size", "4", "--dataset_test_split", ""],
              "grpo": ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",

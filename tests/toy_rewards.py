@@ -30,3 +30,13 @@ def not_numbers(prompts, completions, **columns):
 
 def infinite(completions, **kwargs):
     return [float("inf")] * len(completions)
+
+
+def short_or_none(prompts, completions, **columns):
+    """`short`, but None ("does not apply") for completions of an odd number of words."""
+    return [None if len(c.split()) % 2 else -float(len(c.split())) for c in completions]
+
+
+def none(prompts, completions, **columns):
+    """Applies to nothing: every completion unscored."""
+    return [None] * len(completions)

@@ -1,0 +1,166 @@
+"""Mutation check: do the tests fail when the code is wrong? Each entry of MUTATIONS is a plausible
+one-line bug (the classic ones of this kind of code: labels off by one, the temperature dropped,
+a value read a position late, chosen and rejected swapped, a KL sign, loss scaling under gradient
+accumulation, ...). Each is applied alone to a copy of the project, and the tests named with it run
+there; the bug counts as caught when they fail. Before that, the same tests must pass on the
+unchanged copy, or a failure would prove nothing.
+
+    python tests/mutation_check.py              # every mutation; a table of bug -> failing test, time
+    python tests/mutation_check.py --only 3 7   # some of them (numbers as in the table)
+    python -m pytest -m mutation                # the same, as a test (every bug must be caught)
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PASSES = "tests/test_per_token_passes.py"
+
+# (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
+MUTATIONS = [
+    ("algos/grpo.py", "logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)",
+     "logps = token_logprobs(logits, input_ids[:, prompt_width:])",
+     "grpo: training log-probabilities without the sampling temperature",
+     [PASSES + "::test_completion_logps_and_entropy_equal_each_rows_own_forward[grpo]"]),
+    ("algos/grpo.py", "logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)",
+     "logps = token_logprobs(logits, input_ids[:, prompt_width - 1:-1], temperature)",
+     "grpo: labels shifted by one token",
+     [PASSES + "::test_completion_logps_and_entropy_equal_each_rows_own_forward[grpo]"]),
+    ("algos/rloo.py", "logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)",
+     "logps = token_logprobs(logits, input_ids[:, prompt_width:])",
+     "rloo: training log-probabilities without the sampling temperature",
+     [PASSES + "::test_completion_logps_and_entropy_equal_each_rows_own_forward[rloo]"]),
+    ("algos/ppo.py", "values = self.value_model.score(hidden[:, prompt_width - 1:-1]).squeeze(-1)",
+     "values = self.value_model.score(hidden[:, prompt_width:]).squeeze(-1)",
+     "ppo: value head read one position late",
+     [PASSES + "::test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_token"]),
+    ("algos/ppo.py", "token_logprobs(ref_logits, response_ids[s], temperature)",
+     "token_logprobs(ref_logits, response_ids[s])",
+     "ppo: reference log-probabilities without the temperature",
+     [PASSES + "::test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_token"]),
+    ("algos/kto.py", "kl_logps = logps_from(policy, build(mismatched, pad_id), device)",
+     "kl_logps = logps_from(policy, build(rows, pad_id), device)",
+     "kto: KL reference point from the rows' own completions",
+     [PASSES + "::test_kto_kl_logratios_score_each_prompt_with_the_previous_rows_completion"]),
+    ("algos/kto.py", "desirable = 1 - torch.sigmoid(beta * (ratio - kl))",
+     "desirable = 1 - torch.sigmoid(beta * (kl - ratio))",
+     "kto: KL reference point with the wrong sign for desirable rows",
+     ["tests/test_kto.py::test_kto_loss_hand_derived"]),
+    ("algos/online_dpo.py", "return first + chosen, first + 1 - chosen, ranked",
+     "return first + 1 - chosen, first + chosen, ranked",
+     "online_dpo: chosen and rejected swapped",
+     [PASSES + "::test_online_dpo_pairs_take_the_judges_pick_and_the_higher_score_as_chosen"]),
+    ("algos/online_dpo.py", "return torch.tensor([[1.0 - p, float(p)] for p in picks]).flatten()",
+     "return torch.tensor([[float(p), 1.0 - p] for p in picks]).flatten()",
+     "online_dpo: the judge's pick scored as the loser",
+     [PASSES + "::test_online_dpo_pairs_take_the_judges_pick_and_the_higher_score_as_chosen"]),
+    ("algos/grpo.py", "centered = centered / (torch.nan_to_num(rewards[~rewards.isnan()].std()) + 1e-4)",
+     "centered = centered / (torch.nan_to_num(rewards.std()) + 1e-4)",
+     "grpo: batch std with the unscored (NaN) rewards in it",
+     ["tests/test_grpo.py::test_unscorable_completions_leave_their_group_hand_worked"]),
+    ("algos/rloo.py", "baseline = (grouped.nansum(dim=1, keepdim=True) - grouped) / (n - 1).clamp(min=1)",
+     "baseline = (grouped.nansum(dim=1, keepdim=True) - grouped) / n.clamp(min=1)",
+     "rloo: leave-one-out mean divided by k instead of k - 1",
+     ["tests/test_rloo.py::test_leave_one_out_baseline_matches_a_loop_over_prompts"]),
+    ("algos/ppo.py", "next_advantage = delta + gamma * lam * next_advantage",
+     "next_advantage = delta + lam * next_advantage",
+     "ppo: GAE without the discount",
+     ["tests/test_ppo.py::test_gae_hand_worked"]),
+    ("algos/sft.py", "logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])",
+     "logprobs = token_logprobs(logits[:, 1:], input_ids[:, 1:])",
+     "sft: labels not shifted against the logits",
+     ["tests/test_sft.py::test_sft_loss_equals_cross_entropy_on_completion_tokens"]),
+    ("algos/sft.py", "num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)",
+     "num_tokens = global_tokens / args.world_size",
+     "sft: loss not rescaled under gradient accumulation",
+     ["tests/test_sft.py::test_gradient_accumulation_matches_one_big_batch"]),
+    ("algos/reward.py", "loss = -F.logsigmoid(diff).mean()", "loss = -F.logsigmoid(-diff).mean()",
+     "reward: chosen and rejected swapped in the loss",
+     ["tests/test_reward.py::test_bradley_terry_loss_hand_computed"]),
+    ("common/generation.py", "z = logits[c].float() / temperature",
+     "z = logits[c].float()",
+     "common: token_logprobs ignores the temperature",
+     ["tests/test_common_generation.py::test_token_logprobs_match_softmax_with_temperature"]),
+    ("common/generation.py", "return (attention_mask.cumsum(-1) - 1).clamp(min=0)",
+     "return torch.arange(attention_mask.shape[-1]).expand_as(attention_mask)",
+     "common: positions counted over the left padding",
+     ["tests/test_common_generation.py::test_left_padded_rows_give_their_own_logprobs_on_a_model_with_absolute_positions"]),
+    ("common/generation.py", "keep = torch.arange(ids.shape[1], device=ids.device)[None, :] <= first_stop[:, None]",
+     "keep = torch.arange(ids.shape[1], device=ids.device)[None, :] < first_stop[:, None]",
+     "common: the stop token (EOS) cut from the completion",
+     ["tests/test_common_generation.py::test_truncate_at_first_stop_token"]),
+]
+
+
+def copy_project(dest: str):
+    """The working tree without caches, outputs or git data."""
+    skip = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "output", "wandb", ".pytest_cache", "*.egg-info")
+    shutil.copytree(ROOT, dest, ignore=skip)
+
+
+def run_tests(where: str, tests: list[str]) -> tuple[int, str, float]:
+    """pytest on `tests` inside `where` (its own modules first on the path); (exit code, output, seconds)."""
+    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests],
+                          cwd=where, env=env, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, time.time() - start
+
+
+def failing_test(output: str) -> str:
+    found = re.search(r"^FAILED (\S+)", output, re.M)
+    return found.group(1) if found else "(exit code only)"
+
+
+def check(only: list[int] | None = None) -> list[dict]:
+    chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not only or i in only]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        where = os.path.join(tmp, "project")
+        copy_project(where)
+        baseline = sorted({t for _, m in chosen for t in m[4]})
+        code, output, seconds = run_tests(where, baseline)
+        if code != 0:
+            raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n{output[-3000:]}")
+        print(f"unchanged project: {len(baseline)} tests pass ({seconds:.0f} s)", flush=True)
+        for i, (path, text, replacement, bug, tests) in chosen:
+            file = os.path.join(where, path)
+            with open(file) as f:
+                source = f.read()
+            if source.count(text) != 1:
+                raise SystemExit(f"mutation {i}: {text!r} occurs {source.count(text)} times in {path}, not once")
+            with open(file, "w") as f:
+                f.write(source.replace(text, replacement))
+            try:
+                code, output, seconds = run_tests(where, tests)
+            finally:
+                with open(file, "w") as f:
+                    f.write(source)
+            caught = code != 0
+            results.append({"n": i, "file": path, "bug": bug, "caught": caught, "seconds": seconds,
+                            "by": failing_test(output) if caught else "NOT CAUGHT"})
+            print(f"{i:2d}. {'caught' if caught else 'MISSED'} in {seconds:4.0f} s  {bug}  <- {results[-1]['by']}",
+                  flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| # | file | bug | caught by | s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['file']} | {r['bug']} | `{r['by']}` | {r['seconds']:.0f} |" for r in results]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", type=int, nargs="*", help="mutation numbers to run (default: all)")
+    results = check(parser.parse_args().only)
+    print(table(results))
+    missed = [r for r in results if not r["caught"]]
+    print(f"{len(results) - len(missed)} of {len(results)} caught")
+    sys.exit(1 if missed else 0)
