@@ -25,7 +25,8 @@ are timed per rollout and divided by the updates in it.
     python benchmarks/vs_trl.py --model smollm2 --runs 2 --steps 4   # every script on SmolLM2-135M-Instruct
 
 Writes benchmarks/results/vs_trl.json and vs_trl.md (one section per --model; a new run replaces its
-model's section). The ratio is TRL's seconds per step over ours: above 1, ours is faster.
+model's section, or with --scripts naming some of them, only their rows, and the section lists the rerun).
+The ratio is TRL's seconds per step over ours: above 1, ours is faster.
 """
 
 import dataclasses
@@ -538,6 +539,8 @@ def markdown(report: dict) -> str:
                 f"- machine: {m['cpu']}, nproc {m['nproc']} (of {m['cpu_count']}), torch threads {section['args']['threads']}",
                 "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f", python {m['python']}",
                 f"- command: `{section['command']}`"] + ([f"- note: {section['note']}"] if section["note"] else []) + [
+                f"- rerun {r['date']}, rows {', '.join(r['scripts'])}: `{r['command']}`"
+                + (f" ({r['note']})" if r["note"] else "") for r in section.get("reruns", [])] + [
                 "", table(section["results"], markdown=True), ""]
         out += [f"- {script}: skipped, {why}" for script, why in section["skipped"].items()]
         for script, r in section["results"].items():
@@ -601,6 +604,14 @@ def main(args: Args) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 report = json.load(f)
+        old = report.get(args.model)
+        if old and set(args.scripts) < set(MODELS[args.model]):  # a rerun of some scripts: the others' rows stay
+            merged = {**old["results"], **results}
+            section.update(results={s: merged[s] for s in MODELS[args.model] if s in merged},
+                           skipped={**old["skipped"], **skipped}, date=old["date"], command=old["command"],
+                           note=old["note"], reruns=[*old.get("reruns", []), {
+                               "date": section["date"], "command": section["command"], "note": section["note"],
+                               "scripts": list(results)}])
         report[args.model] = section
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path, "w") as f:
