@@ -24,7 +24,7 @@ from transformers import get_scheduler
 
 from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, encode_completion, encode_prompt, load_split
+from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
@@ -53,7 +53,8 @@ class Args:
     model_name_or_path: str = "tiny-pythia"
     """base model: hub name or local directory ("tiny-pythia" builds the tiny task's model)"""
     dataset_name: str = "tiny-tldr"
-    """prompt/completion or messages data: hub name, local directory or file ("tiny-tldr" builds the tiny task)"""
+    """prompt/completion, messages (every assistant turn learnt) or text (every token learnt) data: hub name, local
+    directory or file ("tiny-tldr" builds the tiny task)"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
@@ -150,32 +151,66 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     return -(logprobs * loss_mask[:, 1:]).sum() / num_tokens
 
 
+def conversation_ids(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """A conversation's ids through the chat template, and a mask that is 1 on every assistant turn
+    (its content and the end-of-turn token the template writes after it; not the "assistant" header,
+    and not what follows the end of turn). Turns are found without `{% generation %}` tags: assistant
+    turn k is what the template adds between rendering messages[:k] ready for the assistant's reply
+    and rendering messages[:k + 1]."""
+    ids, mask, done = [], [], ""
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
+        if not (before.startswith(done) and through.startswith(before)):
+            raise UserError("the chat template renders a conversation's start differently once more turns follow; "
+                            "its assistant turns cannot be told apart from the rest")
+        turn = through[len(before):].rstrip()  # the template's newline after the end of turn is not learnt
+        for text, learn in ((before[len(done):], 0), (turn, 1)):
+            piece = tokenizer(text, add_special_tokens=False).input_ids
+            ids, mask = ids + piece, mask + [learn] * len(piece)
+        done = before + turn
+    if messages[-1]["role"] == "assistant" and ids[-1] != tokenizer.eos_token_id:  # the reply ends in EOS, as a completion
+        ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
+    return ids, mask
+
+
 def tokenize(dataset, tokenizer, max_length: int):
-    """Rows -> (input_ids, number of prompt tokens). Rows whose prompt leaves no room for a single
-    completion token are dropped and counted; longer completions are cut at `max_length`."""
+    """Rows -> (input_ids, loss mask), cut at `max_length`: prompt-completion rows learn the
+    completion (its EOS included); `messages` rows every assistant turn (TRL's assistant_only_loss);
+    `text` rows (language modelling) every token, with an EOS appended. Rows with nothing left to
+    learn within max_length are dropped and counted."""
     examples, skipped = [], 0
     for i, row in enumerate(dataset):
-        if "messages" in row and row["messages"][-1]["role"] != "assistant":
-            raise UserError(f"row {i}: its last message is the {row['messages'][-1]['role']!r}'s, but SFT on `messages` "
-                            "learns the last message, which must be the assistant's; end each conversation with "
-                            "the assistant's reply, or drop that row")
-        prompt, completion = ((row["messages"][:-1], row["messages"][-1:]) if "messages" in row
-                              else (row["prompt"], row["completion"]))
-        prompt_ids = encode_prompt(tokenizer, prompt)
-        if len(prompt_ids) >= max_length:
+        if "messages" in row and row["messages"] is not None:
+            if not any(m["role"] == "assistant" for m in row["messages"]):
+                raise UserError(f"row {i}: its messages hold no assistant turn, so SFT has nothing to learn from it; "
+                                "drop that row")
+            ids, mask = conversation_ids(tokenizer, row["messages"])
+        elif "text" in row and row["text"] is not None:
+            if is_conversational(row["text"]):
+                raise UserError(f"row {i}: its `text` is a list of messages; language modelling takes plain text, "
+                                "and conversations go in a `messages` column")
+            ids = tokenizer(row["text"]).input_ids
+            ids = ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+            mask = [1] * len(ids)
+        else:
+            prompt_ids = encode_prompt(tokenizer, row["prompt"])
+            completion_ids = encode_completion(tokenizer, row["prompt"], row["completion"])
+            ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+        if not any(mask[1:max_length]):  # the first token is never predicted
             skipped += 1
             continue
-        ids = prompt_ids + encode_completion(tokenizer, prompt, completion)
-        examples.append((ids[:max_length], len(prompt_ids)))
+        examples.append((ids[:max_length], mask[:max_length]))
     return examples, skipped
 
 
 def collate(examples, pad_id: int):
-    """Right-padded batch; loss_mask is 1 on completion tokens (EOS included), 0 on prompt and pad."""
+    """Right-padded batch; loss_mask is each row's mask (0 on prompt and pad)."""
     input_ids, attention_mask = pad([ids for ids, _ in examples], pad_id)
-    positions = torch.arange(input_ids.shape[1])[None, :]
-    prompt_lens = torch.tensor([n for _, n in examples])[:, None]
-    return input_ids, attention_mask, (positions >= prompt_lens).long() * attention_mask
+    loss_mask, _ = pad([mask for _, mask in examples], 0)
+    return input_ids, attention_mask, loss_mask
 
 
 @torch.no_grad()
@@ -200,14 +235,17 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
     if args.num_sample_generations <= 0:
         return
     rows = [eval_split[i] for i in range(min(args.num_sample_generations, len(eval_split)))]
-    prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] for r in rows]
+    # the prompt: as given; a conversation up to its last message; a text's first third
+    prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] if "messages" in r else r["text"][:len(r["text"]) // 3]
+               for r in rows]
     with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
         if not accelerator.is_main_process:
             return
         _, _, completion_ids, _, _ = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
                                               args.max_new_tokens, 0.0)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    samples = [{"prompt": str(p), "completion": c, "reference": str(r.get("completion", r.get("messages", [""])[-1]))}
+    samples = [{"prompt": str(p), "completion": c, "reference": str(r["completion"] if "completion" in r else
+                                                                  r["messages"][-1] if "messages" in r else r["text"][len(p):])}
                for p, c, r in zip(prompts, texts, rows)]
     if args.dataset_name == tiny_tldr.TINY_SFT_DATA:  # the tiny task can score its samples
         for sample in samples:
@@ -224,14 +262,15 @@ def main(args: Args):
     model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
     tokenizer = load_tokenizer(model_path)
     train_split = load_split(data_path, args.dataset_train_split)
-    formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
+    formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"], "language modelling": ["text"]}
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
     if skipped:
-        accelerator.print(f"skipped {skipped} of {len(train_split)} training rows whose prompt alone "
-                          f"fills max_length={args.max_length}")
+        accelerator.print(f"skipped {skipped} of {len(train_split)} training rows with no token to learn within "
+                          f"max_length={args.max_length} (a prompt that fills it)")
     if not train_examples:
-        raise UserError(f"every training prompt is >= max_length={args.max_length} tokens; raise --max_length")
+        raise UserError(f"no training row has a token to learn within max_length={args.max_length} (every prompt "
+                        "fills it); raise --max_length")
     eval_examples = []
     if args.dataset_test_split:
         eval_split = load_split(data_path, args.dataset_test_split)

@@ -3,7 +3,8 @@
 Accepted formats (each either *standard*, fields are strings, or *conversational*, fields are
 lists of {"role", "content"} messages rendered with the tokenizer's chat template):
   prompt-completion  prompt, completion              (SFT; e.g. trl-lib/tldr)
-  messages           messages                        (SFT; the last message is the completion)
+  messages           messages                        (SFT; every assistant turn is learnt)
+  language modelling text                            (SFT; every token is learnt)
   preference         prompt, chosen, rejected        (reward, DPO; e.g. trl-lib/tldr-preference)
   unpaired           prompt, completion, label       (KTO)
   prompt-only        prompt                          (online RL)

@@ -28,7 +28,7 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: dataset '{bad}' (split train), given to sft.py, has columns [prompt, answer], which "
                       "fit no accepted format: prompt-completion (prompt, completion: missing completion); "
-                      "messages (messages: missing messages)"]
+                      "messages (messages: missing messages); language modelling (text: missing text)"]
     assert {f: os.path.getmtime(os.path.join(sft_model, f)) for f in os.listdir(sft_model)} == before
 
 
@@ -45,7 +45,7 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
         (dict(dataset_name=str(tmp_path / "missing")), "could not load dataset"),
         (dict(model_name_or_path=str(tmp_path / "nope")), "could not load"),
         (dict(dataset_name=ok, dataset_test_split="validation"), "no split 'validation'"),
-        (dict(dataset_name=ok, max_length=3), "every training prompt is >= max_length=3"),
+        (dict(dataset_name=ok, max_length=3), "no training row has a token to learn within max_length=3"),
         (dict(dataset_name=ok, per_device_train_batch_size=8, max_steps=-1),
          "4 training examples make no full batch of 8 (per_device_train_batch_size 8"),
     ]
@@ -213,9 +213,9 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     *[(s, "lr", None, dict(learning_rate=-1.0), r"--learning_rate must be > 0 \(got -1.0\)") for s in SCRIPTS],
     *[(s, "temperature", None, dict(temperature=0.0), r"--temperature must be > 0 \(got 0.0\); online RL samples")
       for s in ONLINE],
-    # 10. SFT conversations that do not end with the assistant's reply
-    ("sft", "last_message", lambda rows: [{"messages": [{"role": "user", "content": "a"}]}] * 4, {},
-     "row 0: its last message is the 'user''s"),
+    # 10. SFT conversations with no assistant turn to learn
+    ("sft", "no_assistant", lambda rows: [{"messages": [{"role": "user", "content": "a"}]}] * 4, {},
+     "row 0: its messages hold no assistant turn"),
     # 11. a causal LM where a reward model belongs (its score head would be random), and an inf reward
     *[(s, "causal_rm", None, dict(reward_model_paths=["<causal_lm>"]), "is not a reward model .GPTNeoXForCausalLM")
       for s in ("grpo", "rloo", "online_dpo")],

@@ -49,7 +49,9 @@ def test_collate_masks_prompt_and_padding_but_keeps_eos(tokenizer, pad_is_eos):
     assert skipped == 0
     input_ids, attention_mask, loss_mask = collate(examples, tokenizer.pad_token_id)
     assert (input_ids == tokenizer.pad_token_id).any()  # one row is padded
-    for row, (ids, n_prompt) in enumerate(examples):
+    for row, (ids, mask) in enumerate(examples):
+        n_prompt = mask.index(1)
+        assert n_prompt == len(tokenizer(rows[row]["prompt"]).input_ids)
         assert loss_mask[row, :n_prompt].sum() == 0
         assert loss_mask[row, n_prompt:len(ids)].all()
         assert input_ids[row, len(ids) - 1] == tokenizer.eos_token_id  # EOS is a target ...
@@ -57,13 +59,36 @@ def test_collate_masks_prompt_and_padding_but_keeps_eos(tokenizer, pad_is_eos):
         assert loss_mask[row, len(ids):].sum() == 0 and attention_mask[row, len(ids):].sum() == 0
 
 
-def test_messages_must_end_with_the_assistant(tokenizer):
+def test_messages_without_an_assistant_turn_are_refused(tokenizer):
     from common.runtime import UserError
 
-    rows = [{"messages": [{"role": "user", "content": "a"}]},
-            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
-    with pytest.raises(UserError, match="row 0: its last message is the 'user''s, but SFT on `messages`"):
+    rows = [{"messages": [{"role": "user", "content": "a"}]}]
+    with pytest.raises(UserError, match="row 0: its messages hold no assistant turn"):
         tokenize(rows, tokenizer, max_length=64)
+
+
+def test_every_assistant_turn_of_a_conversation_is_learnt_and_nothing_else(tokenizer):
+    # a template without {% generation %} tags: a header per turn, the end of turn, a newline
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}" + tokenizer.eos_token
+                               + "\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    turns = [("system", "be brief"), ("user", "hi there"), ("assistant", "hello you"), ("user", "and now"),
+             ("assistant", "bye then")]
+    rows = [{"messages": [{"role": r, "content": c} for r, c in turns]}]
+    [(ids, mask)], _ = tokenize(rows, tokenizer, max_length=256)
+    eos = tokenizer.eos_token
+    full = "".join(f"<{r}>{c}{eos}\n" for r, c in turns).rstrip()  # the last newline is not kept
+    assert tokenizer.decode(ids) == full and len(mask) == len(ids)
+    learnt = [tokenizer.decode([i for i, m in zip(ids, mask) if m == k]) for k in (1,)]
+    # by hand: the two replies and the end of turn after each, and no header, user or system text
+    assert learnt == [f"hello you{eos}bye then{eos}"]
+    spans = "".join(str(m) for m in mask)
+    assert spans.count("01") == 2 and spans.endswith("1")  # two separate learnt spans, the last at the end
+
+
+def test_text_rows_learn_every_token_and_end_in_eos(tokenizer):
+    [(ids, mask)], skipped = tokenize([{"text": "TITLE: a post\n\nTL;DR: my boss"}], tokenizer, max_length=64)
+    assert skipped == 0 and ids == tokenizer("TITLE: a post\n\nTL;DR: my boss").input_ids + [tokenizer.eos_token_id]
+    assert mask == [1] * len(ids)
 
 
 def test_too_long_prompts_are_skipped_and_long_completions_cut(tokenizer):
@@ -90,6 +115,21 @@ def test_sft_end_to_end_saves_a_loadable_model(tmp_path):
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     assert model.config.pad_token_id == tokenizer.pad_token_id
     assert not any(name.startswith(".saving") for name in os.listdir(out))
+
+
+def test_sft_on_text_rows_trains_and_shows_continuations(tmp_path):
+    """Language-modelling data (a `text` column, as stanfordnlp/imdb): trains, evaluates, samples."""
+    for split, n in (("train", 16), ("validation", 4)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": f"TITLE: post {i}\n\nTL;DR: my boss ate my cake {i}"}) + "\n"
+                         for i in range(n))
+    out = str(tmp_path / "sft")
+    proc = run_script("algos/sft.py", "--dataset_name", str(tmp_path), "--max_steps", "2",
+                      "--per_device_train_batch_size", "4", "--eval_steps", "2", "--gold_eval_split", "",
+                      "--logging_steps", "1", "--output_dir", out)
+    log = read_log(out)
+    assert [r["step"] for r in log] == [1, 2] and log[-1]["eval_loss"] < log[0]["loss"] + 1
+    assert "TITLE: post 0" in proc.stdout + proc.stderr  # the samples table shows a text's start
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
