@@ -23,7 +23,7 @@ Reasoning Preference Optimization"); --sync_ref_model mixes the policy into the 
 ref_model_sync_steps (TR-DPO, Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
 Alignment"); --reference_free uses pi_ref = 1.
 
-    python algos/dpo.py      # tiny TL;DR preferences from output/sft; prints the gold win rate
+    python algos/dpo.py      # tiny TL;DR preferences from output/sft
     accelerate launch algos/dpo.py --model_name_or_path output/pythia-1b-sft \
         --dataset_name trl-lib/tldr-preference --output_dir output/pythia-1b-dpo --learning_rate 1e-6 ...
 """
@@ -42,7 +42,6 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
@@ -78,7 +77,7 @@ class Args:
     """policy to start from, usually the SFT model"""
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
-    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    dataset_name: str = "tiny_tldr/tldr-preference"
     """prompt/chosen/rejected data, or chosen/rejected conversations (their shared start is the prompt)"""
     dataset_train_split: str = "train"
     """split to train on"""
@@ -142,8 +141,6 @@ class Args:
     """greedy completions of eval prompts printed at each evaluation"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -329,13 +326,11 @@ def main(args: Args):
     mean_logps = uses_mean_logps(args.loss_type)
 
     # ---- model and data ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(args.model_name_or_path)
     formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
 
     def load(split):
-        dataset = load_split(data_path, split)
+        dataset = load_split(args.dataset_name, split)
         if check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,") \
                 == "implicit prompt" and not is_conversational(dataset[0]["chosen"]):
             raise UserError(f"dataset '{args.dataset_name}' has no prompt column; chosen/rejected without a prompt "
@@ -360,11 +355,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
-        ref_path = tiny_tldr.local(args.ref_model_name_or_path) if args.ref_model_name_or_path else model_path
+        ref_path = args.ref_model_name_or_path or args.model_name_or_path
         ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
 
     @torch.no_grad()
@@ -469,9 +464,6 @@ def main(args: Args):
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c,
                     "chosen": tokenizer.decode(ch, skip_special_tokens=True)}
                    for (p, ch, _), c in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True))]
-        if args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA:  # the tiny task can score its samples
-            for sample in samples:
-                sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
         tracker.log_samples(samples, step)
 
     def micro_batches():
@@ -531,15 +523,10 @@ def main(args: Args):
         checkpointer.end_of_step(step, {"bco": (bco_sum, bco_count),
                                         **({"ref_model": ref_model.state_dict()} if args.sync_ref_model else {})})
 
-    # ---- SAVE and final gold evaluation ----
+    # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -15,7 +15,7 @@ and detached (section 4.1: it only sets the reference point, no gradient flows t
 `--loss_type apo_zero_unpaired` drops z0 and uses Anchored Preference Optimization's zero anchor
 (D'Oosterlinck et al. 2024): loss = 1 - sigmoid(beta r) for desirable, sigmoid(beta r) for undesirable.
 
-    python algos/kto.py      # tiny TL;DR preference pairs, split into good/bad; prints the gold win rate
+    python algos/kto.py      # tiny TL;DR preference pairs, split into good/bad
     accelerate launch algos/kto.py --model_name_or_path output/pythia-1b-sft \
         --dataset_name trl-lib/kto-mix-14k --output_dir output/pythia-1b-kto --learning_rate 5e-7 ...
 """
@@ -32,7 +32,6 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, completion_text, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
@@ -64,7 +63,7 @@ class Args:
     """policy to start from, usually the SFT model"""
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
-    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    dataset_name: str = "tiny_tldr/tldr-preference"
     """prompt/completion/label data, or prompt/chosen/rejected pairs (chosen -> label True, rejected -> False)"""
     dataset_train_split: str = "train"
     """split to train on"""
@@ -116,8 +115,6 @@ class Args:
     """greedy completions of eval prompts printed at each evaluation"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -283,13 +280,11 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(args.model_name_or_path)
     formats = {"unpaired": ["prompt", "completion", "label"], "preference": ["prompt", "chosen", "rejected"]}
 
     def load(split):
-        dataset = load_split(data_path, split)
+        dataset = load_split(args.dataset_name, split)
         fmt = check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to kto.py,")
         examples, skipped = tokenize(unpaired_rows(dataset, fmt), tokenizer, args)
         if skipped:
@@ -321,11 +316,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_path = tiny_tldr.local(args.ref_model_name_or_path) if args.ref_model_name_or_path else model_path
+        ref_path = args.ref_model_name_or_path or args.model_name_or_path
         ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -392,9 +387,6 @@ def main(args: Args):
             _, _, ids, _, _ = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens, temperature=0.0)
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
                    for p, c in zip(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True))]
-        if args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA:  # the tiny task can score its samples
-            for sample in samples:
-                sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
         tracker.log_samples(samples, step)
 
     def micro_batches():
@@ -449,15 +441,10 @@ def main(args: Args):
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
-    # ---- SAVE and final gold evaluation ----
+    # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_PREFERENCE_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
@@ -62,7 +61,7 @@ class Args:
     # model, data and ranking
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model; also the frozen reference"""
-    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
     """split whose prompts are used"""
@@ -74,7 +73,7 @@ class Args:
     """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
-    """weight of each reward (models first, then functions; default all 1)"""
+    """weight of each reward (models first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
     judge: str | None = None
     """pairwise judge `module:function(prompts, completion_pairs) -> list[int]` (index of the better
     completion); replaces the rewards"""
@@ -116,8 +115,6 @@ class Args:
     """pairs shown in the samples table every eval_steps"""
     eval_steps: int = 50
     """print a table of sampled pairs with their scores every this many steps"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -234,21 +231,19 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- model, data and ranking ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
-    dataset = load_split(data_path, args.dataset_train_split)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
                                f"per_device_train_batch_size {args.per_device_train_batch_size} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
     judge = None
     if args.judge:
         judge = import_judge(args.judge)
@@ -260,7 +255,7 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = VLLMSampler(args, accelerator, model_path, args.max_length) if args.use_vllm else None
+    sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_length) if args.use_vllm else None
     checkpointer = Checkpointer(args, accelerator, scheduler)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
@@ -289,7 +284,7 @@ def main(args: Args):
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
-        stats = torch.zeros(13, device=accelerator.device)
+        stats, source_means = torch.zeros(13, device=accelerator.device), {}
         if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
             push_seconds = sampler.push_weights(model)
         for _ in range(args.gradient_accumulation_steps):
@@ -319,10 +314,12 @@ def main(args: Args):
                 picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
                 scores = judge_scores(picks).to(accelerator.device)
             else:
-                scores = compute_rewards(sources, weights, prompts, completions,
-                                         {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
-                                         [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])[0]
+                scores, per_source = compute_rewards(sources, weights, prompts, completions,
+                                                     {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
+                                                     [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
                 scores = scores.to(accelerator.device)
+                for name, values in per_source.items():  # each source's mean over the step's micro-batches
+                    source_means[name] = source_means.get(name, 0.0) + values.nanmean().item() / args.gradient_accumulation_steps
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
             # a pair with an unscorable completion (no reward source scored it: NaN) stays out of the
@@ -365,10 +362,10 @@ def main(args: Args):
                    "completions/unscored_ratio": unscored,
                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
                    "eps": (episode - start_episode) / (time.time() - start_time)}
+        for name, value in source_means.items():
+            metrics[f"rewards/{name}/mean"] = accelerator.reduce(torch.tensor(value, device=accelerator.device), "mean").item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
-        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
-            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(prompts[2 * j])[-80:], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
                                   "margin": float(pairs.flatten()[rows_c[j]] - pairs.flatten()[rows_r[j]])}
@@ -376,15 +373,10 @@ def main(args: Args):
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {"episode": episode})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
-    # ---- SAVE and final gold evaluation ----
+    # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

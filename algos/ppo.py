@@ -29,7 +29,6 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, real_positions, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
@@ -68,8 +67,8 @@ class Args:
     """extra reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
-    """weight of each reward (the reward model first, then functions; default all 1)"""
-    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    """weight of each reward (the reward model first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational)"""
     dataset_train_split: str = "train"
     """split whose prompts are used"""
@@ -131,8 +130,6 @@ class Args:
     """responses shown in the samples table every eval_steps"""
     eval_steps: int = 25
     """print a table of sampled responses with their scores every this many rollouts"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -303,10 +300,8 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- models and data ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
-    dataset = load_split(data_path, args.dataset_train_split)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.rollout_batch_size,
@@ -314,7 +309,7 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    policy = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, policy, accelerator)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
@@ -323,7 +318,7 @@ def main(args: Args):
     value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype), args, "SEQ_CLS")
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights, accelerator)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
@@ -334,7 +329,7 @@ def main(args: Args):
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, model_path, args.max_prompt_length + args.response_length)
+        sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length)
     tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
@@ -391,8 +386,9 @@ def main(args: Args):
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(batch_prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores = compute_rewards(sources, weights, batch_prompts, completions, columns,
-                                 [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])[0].to(accelerator.device)
+        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
+                                             [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])
+        scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:
             scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
         elif args.missing_eos_penalty is not None:
@@ -460,10 +456,10 @@ def main(args: Args):
                    "val/ratio_var": ratio_sq - ratio_mean ** 2,
                    "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+        for name, values in per_source.items():
+            metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
-        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
-            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
                                  for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
@@ -471,15 +467,10 @@ def main(args: Args):
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
 
-    # ---- SAVE the policy and the final gold evaluation ----
+    # ---- SAVE the policy ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir, part="policy")
     accelerator.print(f"saved policy and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped.policy, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, load_split
 from common.generation import pad, unwrapped_for_generation
@@ -57,7 +56,7 @@ class Args:
     # model and data
     model_name_or_path: str = "output/sft"
     """model to start from, usually the SFT model (a causal LM gets a new scalar head)"""
-    dataset_name: str = tiny_tldr.TINY_PREFERENCE_DATA
+    dataset_name: str = "tiny_tldr/tldr-preference"
     """prompt/chosen/rejected data (optional margin column): hub name, local directory or file"""
     dataset_train_split: str = "train"
     """split to train on"""
@@ -224,11 +223,9 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(args.model_name_or_path)
     formats = {"preference": ["prompt", "chosen", "rejected"]}
-    train_split = load_split(data_path, args.dataset_train_split)
+    train_split = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
     if skipped:
@@ -239,7 +236,7 @@ def main(args: Args):
                         "or have chosen == rejected; raise --max_length or check the data")
     eval_examples = []
     if args.dataset_test_split:
-        eval_split = load_split(data_path, args.dataset_test_split)
+        eval_split = load_split(args.dataset_name, args.dataset_test_split)
         check_columns(eval_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_test_split})")
         eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
     steps_per_epoch = len(train_examples) // args.total_batch_size
@@ -251,7 +248,7 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_reward_model(model_path, tokenizer, args.torch_dtype, new_head=True), args, "SEQ_CLS")
+    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype, new_head=True), args, "SEQ_CLS")
     hint_learning_rate(args, model, accelerator)
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
         # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1)); under

@@ -30,7 +30,6 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
@@ -62,7 +61,7 @@ class Args:
     # model, data and rewards
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
-    dataset_name: str = tiny_tldr.TINY_SFT_DATA
+    dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
     """split whose prompts are used"""
@@ -74,7 +73,7 @@ class Args:
     """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
     reward_weights: list[float] | None = None
-    """weight of each reward (models first, then functions; default all 1)"""
+    """weight of each reward (models first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
     missing_eos_penalty: float | None = None
     """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
 
@@ -135,8 +134,6 @@ class Args:
     """completions shown in the samples table every eval_steps"""
     eval_steps: int = 25
     """print a table of sampled completions with their scores every this many rollouts"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -280,10 +277,8 @@ def main(args: Args):
     if args.use_vllm:  # before anything loads: vLLM installed, options compatible
         VLLMSampler.check(args, accelerator)
     # ---- model, data and rewards ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
-    dataset = load_split(data_path, args.dataset_train_split)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k,
@@ -291,11 +286,11 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
                                f"{args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(model_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -306,7 +301,7 @@ def main(args: Args):
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, model_path, args.max_prompt_length + args.max_completion_length)
+        sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length)
     tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
                       f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
@@ -456,8 +451,6 @@ def main(args: Args):
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
-        if tiny_tldr.TINY_SFT_DATA == args.dataset_name:  # the oracle, for reading off over-optimisation
-            metrics["gold/score_sampled"] = sum(tiny_tldr.gold_score(p, t) for p, t in zip(batch_prompts, texts)) / len(texts)
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": r}
                                  for p, t, r in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
@@ -465,15 +458,10 @@ def main(args: Args):
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
 
-    # ---- SAVE and final gold evaluation ----
+    # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.max_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

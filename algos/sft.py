@@ -22,7 +22,6 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
@@ -50,11 +49,11 @@ class Args:
     """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
 
     # model and data
-    model_name_or_path: str = "tiny-pythia"
-    """base model: hub name or local directory ("tiny-pythia" builds the tiny task's model)"""
-    dataset_name: str = "tiny-tldr"
+    model_name_or_path: str = "tiny_tldr/tiny-pythia"
+    """base model: hub name or local directory (the default is the tiny task's: `python benchmarks/tiny_tldr.py`)"""
+    dataset_name: str = "tiny_tldr/tldr"
     """prompt/completion, messages (every assistant turn learnt) or text (every token learnt) data: hub name, local
-    directory or file ("tiny-tldr" builds the tiny task)"""
+    directory or file (the default is the tiny task's, built with the model)"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
@@ -92,8 +91,6 @@ class Args:
     """sample completions printed at each evaluation"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    gold_eval_split: str = "test"
-    """tiny task only: split whose prompts are summarised (greedy) and judged against the references at the end"""
 
     # checkpoints and stopping (common/checkpoint.py)
     save_steps: int = 0
@@ -247,9 +244,6 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
     samples = [{"prompt": str(p), "completion": c, "reference": str(r["completion"] if "completion" in r else
                                                                   r["messages"][-1] if "messages" in r else r["text"][len(p):])}
                for p, c, r in zip(prompts, texts, rows)]
-    if args.dataset_name == tiny_tldr.TINY_SFT_DATA:  # the tiny task can score its samples
-        for sample in samples:
-            sample["gold_score"] = tiny_tldr.gold_score(sample["prompt"], sample["completion"])
     tracker.log_samples(samples, step)
 
 
@@ -258,10 +252,8 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    # the tiny task's names (the defaults) are folders built on first use; other names load as given
-    model_path, data_path = tiny_tldr.local(args.model_name_or_path), tiny_tldr.local(args.dataset_name)
-    tokenizer = load_tokenizer(model_path)
-    train_split = load_split(data_path, args.dataset_train_split)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train_split = load_split(args.dataset_name, args.dataset_train_split)
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"], "language modelling": ["text"]}
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
@@ -273,7 +265,7 @@ def main(args: Args):
                         "fills it); raise --max_length")
     eval_examples = []
     if args.dataset_test_split:
-        eval_split = load_split(data_path, args.dataset_test_split)
+        eval_split = load_split(args.dataset_name, args.dataset_test_split)
         check_columns(eval_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_test_split})")
         eval_examples, _ = tokenize(eval_split, tokenizer, args.max_length)
     steps_per_epoch = len(train_examples) // args.total_batch_size
@@ -285,7 +277,7 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(model_path, tokenizer, args.torch_dtype), args)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
     hint_learning_rate(args, model, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -350,15 +342,10 @@ def main(args: Args):
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 
-    # ---- SAVE and final gold evaluation ----
+    # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
-    with unwrapped_for_generation(accelerator, model) as unwrapped:
-        if accelerator.is_main_process and args.dataset_name == tiny_tldr.TINY_SFT_DATA and args.gold_eval_split:
-            result = tiny_tldr.judge_policy(unwrapped, tokenizer, args.gold_eval_split)
-            tracker.log({f"gold/{k}": v for k, v in result.items()}, args.num_steps)
-            print(f"gold win rate vs references ({args.gold_eval_split}): {result['win_rate']:.3f} ± {result['win_rate_ci']:.3f}")
     tracker.close()
 
 

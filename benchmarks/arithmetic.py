@@ -167,7 +167,7 @@ def main(args: Args):
            "--per_device_train_batch_size", str(args.per_device_train_batch_size),
            "--max_completion_length", str(max_new), "--temperature", str(args.temperature),
            "--seed", str(args.seed), "--logging_steps", "5", "--eval_steps", "20", "--num_sample_generations", "4",
-           "--gold_eval_split", "", "--output_dir", out, "--run_name", "grpo", "--overwrite_output_dir"]
+           "--output_dir", out, "--run_name", "grpo", "--overwrite_output_dir"]
     print(shlex.join(cmd), flush=True)
     start = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})

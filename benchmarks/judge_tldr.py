@@ -32,7 +32,6 @@ from typing import Literal
 import torch
 import tyro
 
-from benchmarks import tiny_tldr
 from common.data import check_columns, completion_text, encode_prompt, load_split, prompt_text
 from common.generation import generate
 from common.models import load_policy, load_tokenizer
@@ -47,7 +46,7 @@ class Args:
     model_name_or_path: str = "output/sft"
     """policy whose summaries are judged: hub name or local directory"""
     dataset_name: str = "trl-lib/tldr"
-    """prompt/completion data; the completion is the reference summary ("tiny-tldr": the tiny task)"""
+    """prompt/completion data; the completion is the reference summary (tiny_tldr/tldr: the tiny task)"""
     dataset_split: str = "test"
     """split whose first num_examples prompts are summarised"""
     num_examples: int = 1000
@@ -166,7 +165,7 @@ def mean_and_ci(wins: list[float]) -> tuple[float, float]:
 
 
 def generate_hf(args: Args, tokenizer, prompt_ids: list[list[int]]) -> tuple[list[str], list[bool]]:
-    model = load_policy(tiny_tldr.local(args.model_name_or_path), tokenizer, args.torch_dtype)
+    model = load_policy(args.model_name_or_path, tokenizer, args.torch_dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     seeds = [args.seed * 10**9 + i for i in range(len(prompt_ids))]
     _, _, ids, _, finished = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature,
@@ -177,7 +176,7 @@ def generate_hf(args: Args, tokenizer, prompt_ids: list[list[int]]) -> tuple[lis
 def generate_vllm(args: Args, tokenizer, prompt_ids: list[list[int]]) -> tuple[list[str], list[bool]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=tiny_tldr.local(args.model_name_or_path), dtype=args.torch_dtype, seed=args.seed,
+    llm = LLM(model=args.model_name_or_path, dtype=args.torch_dtype, seed=args.seed,
               gpu_memory_utilization=args.vllm_gpu_memory_utilization)
     params = [SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed * 10**9 + i)
               for i in range(len(prompt_ids))]
@@ -195,8 +194,8 @@ def main(args: Args) -> dict:
     ask_judge(args, api_key, judge_prompt(*PROBE))
 
     # ---- summaries of the first num_examples prompts ----
-    tokenizer = load_tokenizer(tiny_tldr.local(args.model_name_or_path))
-    dataset = load_split(tiny_tldr.local(args.dataset_name), args.dataset_split)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    dataset = load_split(args.dataset_name, args.dataset_split)
     check_columns(dataset, {"prompt-completion": ["prompt", "completion"]},
                   f"dataset '{args.dataset_name}' (split {args.dataset_split}), given to judge_tldr.py,")
     n = len(dataset) if args.num_examples <= 0 else min(args.num_examples, len(dataset))

@@ -78,7 +78,7 @@ def rm_vs_gold(runs: dict[str, list[list[dict]]], keys: dict[str, str], path: st
             n = len(records)
             tenths = [records[j * n // 10:max(j * n // 10 + 1, (j + 1) * n // 10)] for j in range(min(10, n))]
             x = [sum(r[keys[name]] for r in part) / len(part) for part in tenths]
-            y = [sum(r["gold/score_sampled"] for r in part) / len(part) for part in tenths]
+            y = [sum(r["rewards/gold_reward/mean"] for r in part) / len(part) for part in tenths]
             ax.plot(x, y, ".-", color=COLORS[name], linewidth=1.2, label=name if i == 0 else None)
             ax.plot(x[:1], y[:1], "o", color=COLORS[name], markersize=6)
     ax.set_xlabel("reward model score of the sampled completions")
@@ -93,7 +93,7 @@ def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: st
     algorithm (moving average over a tenth of the steps, then the mean over seeds; thin: each seed)."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, seeds in runs.items():
-        curves = [smooth([r["gold/score_sampled"] for r in records], max(1, len(records) // 10)) for records in seeds]
+        curves = [smooth([r["rewards/gold_reward/mean"] for r in records], max(1, len(records) // 10)) for records in seeds]
         x = [r["episode"] for r in seeds[0]]
         n = min(len(c) for c in curves)
         if len(seeds) > 1:
@@ -134,7 +134,7 @@ def overoptimisation(runs: dict[str, list[dict]], reward_key: str, path: str):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for (name, records), color in zip(runs.items(), ["tab:red", "tab:blue", "tab:green", "tab:orange"]):
         x = [r["episode"] for r in records]
-        for ax, key in zip(axes, (reward_key, "gold/score_sampled")):
+        for ax, key in zip(axes, (reward_key, "rewards/gold_reward/mean")):
             y = [r[key] for r in records]
             ax.plot(x, y, color=color, alpha=0.2, linewidth=0.8)
             ax.plot(x, smooth(y, max(1, len(y) // 10)), color=color, label=name)

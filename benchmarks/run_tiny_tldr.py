@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
+from benchmarks import tiny_tldr
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # stage: (script, stages it starts from, name, settings, what one logged step processes). The
@@ -55,6 +57,7 @@ SAMPLES_PER_STEP = {"grpo": 32, "rloo": 32, "online_dpo": 32, "ppo": 32}
 # to the reference (grpo: per-token k3 mean; the others: k1 summed over each sequence)
 ONLINE_KEYS = {"grpo": ("reward", "kl"), "rloo": ("objective/scores", "objective/kl"),
                "online_dpo": ("objective/scores", "objective/kl"), "ppo": ("objective/scores", "objective/kl")}
+GOLD_KEY = "rewards/gold_reward/mean"  # the gold judge's mean score of each step's samples (a weight-0 reward)
 
 
 @dataclass
@@ -95,16 +98,13 @@ def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, st
         steps = args.completions // SAMPLES_PER_STEP[name]
     if steps is not None and args.max_steps <= 0:
         argv += ["--max_steps", str(steps)]
-    if name != "sft":
-        argv += ["--model_name_or_path", out("sft")]
-    if name in ("grpo", "rloo", "online_dpo"):
-        argv += ["--reward_model_paths", out("reward")]
-    if name == "ppo":
-        argv += ["--reward_model_path", out("reward")]
+    argv += ["--model_name_or_path", tiny_tldr.TINY_MODEL if name == "sft" else out("sft"), "--dataset_name",
+             tiny_tldr.TINY_PREFERENCE_DATA if name in ("reward", "dpo", "kto") else tiny_tldr.TINY_SFT_DATA]
+    if name in ("grpo", "rloo", "online_dpo", "ppo"):  # the gold judge, logged (weight 0), not optimised
+        argv += ["--reward_model_path" + ("" if name == "ppo" else "s"), out("reward"),
+                 "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--reward_weights", "1", "0"]
     if args.track:
         argv.append("--track")
-    if name != "reward":  # the evaluate stages judge every policy; the scripts' own final judging is skipped
-        argv += ["--gold_eval_split", ""]
     if args.max_steps > 0:  # quick mode: no evaluations inside the stages (but the reward model's accuracy)
         argv += ["--max_steps", str(args.max_steps)]
         argv += ["--dataset_test_split", ""] if name in ("sft", "dpo", "kto") else []
@@ -206,14 +206,12 @@ def read_eval(run_dir: str, policies: list[str]) -> dict:
 
 
 def main(args: Args):
-    from benchmarks import tiny_tldr
-
     run_dirs = {s: args.output_dir if len(args.seeds) == 1 else os.path.join(args.output_dir, f"seed_{s}")
                 for s in args.seeds}
     stamp = int(time.time())
     run_name = lambda seed, name: f"{name}__{seed}__{stamp}"  # noqa: E731
     start = time.time()
-    tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+    tiny_tldr.build()
     base_seconds = time.time() - start
 
     # ---- TRAIN every stage and EVALUATE each policy once trained, `jobs` at a time ----
@@ -273,7 +271,7 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
     ]
     # a rising RM score with a falling gold score would mean the RM is being gamed
     over_opt = ["| run | RM score | gold score |", "|---|---|---|"] + [
-        f"| {name} | {fifths(steps[name], reward_key)} | {fifths(steps[name], 'gold/score_sampled')} |"
+        f"| {name} | {fifths(steps[name], reward_key)} | {fifths(steps[name], GOLD_KEY)} |"
         for name, (reward_key, _) in ONLINE_KEYS.items()]
 
     # ---- WRITE the tables and the figures ----

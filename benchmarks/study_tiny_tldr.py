@@ -83,7 +83,7 @@ def linked_dir(path: str, source: str) -> str:
 
 
 def train_pairs() -> int:
-    with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_PREFERENCE_DATA), "train.jsonl")) as f:
+    with open(os.path.join(tiny_tldr.TINY_PREFERENCE_DATA, "train.jsonl")) as f:
         return sum(1 for _ in f)
 
 
@@ -101,7 +101,7 @@ def main(args: StudyArgs):
     stamp = finished["stamp"] if finished else int(time.time())
     run_name = lambda key, name: f"{name}__{key}__{stamp}"  # noqa: E731
     start = time.time()
-    tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+    tiny_tldr.build()
     base_seconds = time.time() - start
     seed_dirs = {s: os.path.join(out, f"seed_{s}") for s in args.seeds}
     fs = args.frontier_seed if args.frontier_seed in seed_dirs else args.seeds[0]
@@ -213,7 +213,7 @@ def main(args: StudyArgs):
         fifth = lambda key: " -> ".join(  # noqa: E731
             f"{statistics.mean(r[key] for r in records[i * len(records) // 5:max(i * len(records) // 5 + 1, (i + 1) * len(records) // 5)]):.2f}"
             for i in range(5))
-        lines.append(f"| {name} | {fifth('reward')} | {fifth('gold/score_sampled')} |")
+        lines.append(f"| {name} | {fifth('reward')} | {fifth('rewards/gold_reward/mean')} |")
     plots.overoptimisation(overopt, "reward", figure("overoptimisation"))
     lines += ["", f"Figures: `{os.path.basename(figure('frontier'))}`, `{os.path.basename(figure('overoptimisation'))}`.",
               "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each)."]
@@ -222,7 +222,7 @@ def main(args: StudyArgs):
     print("\n".join(lines))
     with open(os.path.splitext(args.results)[0] + ".json", "w") as f:
         json.dump({"seeds": numbers, "half": half, "frontier": frontier, "seconds": total,
-                   "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r["gold/score_sampled"]}
+                   "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r["rewards/gold_reward/mean"]}
                                    for r in v] for k, v in overopt.items()}}, f, indent=1, default=str)
 
 

@@ -67,12 +67,12 @@ SHAPES = {
              "--local_rollout_forward_batch_size", "64"], "32 samples of 48 tokens, 4 epochs"),
 }
 # everything that is not a training step: evaluations, sample tables, the final gold evaluation
-NO_EVAL = {"sft": ["--dataset_test_split", "", "--gold_eval_split", ""],
+NO_EVAL = {"sft": ["--dataset_test_split", ""],
            "reward": ["--dataset_test_split", ""],
-           "dpo": ["--dataset_test_split", "", "--gold_eval_split", ""],
-           "kto": ["--dataset_test_split", "", "--gold_eval_split", ""]}
+           "dpo": ["--dataset_test_split", ""],
+           "kto": ["--dataset_test_split", ""]}
 for _name in ("grpo", "rloo", "online_dpo", "ppo"):
-    NO_EVAL[_name] = ["--eval_steps", str(10**9), "--num_sample_generations", "0", "--gold_eval_split", ""]
+    NO_EVAL[_name] = ["--eval_steps", str(10**9), "--num_sample_generations", "0"]
 
 
 @dataclass
@@ -409,7 +409,7 @@ def main(args: Args) -> dict:
         sft, reward = args.sft_model_path, args.reward_model_path
         online = set(args.algos) & {"grpo", "rloo", "online_dpo", "ppo"}
         if sft is None and set(args.algos) - {"sft"}:
-            sft = build(os.path.join(work, "chain_sft"), ["algos/sft.py", "--dataset_test_split", "", "--gold_eval_split", ""],
+            sft = build(os.path.join(work, "chain_sft"), ["algos/sft.py", "--dataset_test_split", ""],
                         args)
         if reward is None and online:
             reward = build(os.path.join(work, "chain_reward"),

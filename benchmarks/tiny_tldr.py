@@ -11,9 +11,16 @@ It provides three things, each a drop-in for its real-scale counterpart:
 3. A tiny Pythia-architecture base model (`GPTNeoXForCausalLM`, random init) and a byte-level BPE
    tokenizer trained on the task's text, saved so that the `Auto*` classes load them.
 
-The names "tiny-pythia", "tiny-tldr" and "tiny-tldr-preference" are what the scripts use by
-default; `materialize(name)` builds them once into a cache directory ($TINY_TLDR_CACHE, default
-~/.cache/tiny_tldr) and returns their local path.
+`python benchmarks/tiny_tldr.py` writes them as plain folders, which the scripts' defaults name
+(paths relative to the project root, like nanoGPT's `data/<name>/prepare.py`):
+
+    tiny_tldr/tldr/{train,validation,test}.jsonl             prompt, completion
+    tiny_tldr/tldr-preference/{train,validation,test}.jsonl  prompt, chosen, rejected
+    tiny_tldr/tiny-pythia/                                   base model and tokenizer
+
+The scripts never import this module: an oracle score seen during training is `gold_reward`
+passed as a reward function with weight 0 (logged as rewards/gold_reward/mean, not optimised), and
+benchmarks/tiny_tldr_eval.py judges the saved policies.
 """
 
 import hashlib
@@ -25,9 +32,10 @@ import re
 import shutil
 import tempfile
 
-TINY_MODEL = "tiny-pythia"
-TINY_SFT_DATA = "tiny-tldr"
-TINY_PREFERENCE_DATA = "tiny-tldr-preference"
+TASK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tiny_tldr")
+TINY_MODEL = os.path.join(TASK_DIR, "tiny-pythia")
+TINY_SFT_DATA = os.path.join(TASK_DIR, "tldr")
+TINY_PREFERENCE_DATA = os.path.join(TASK_DIR, "tldr-preference")
 SPLIT_SIZES = {"train": 4000, "validation": 512, "test": 512}
 DATA_SEED = 1234
 
@@ -295,60 +303,36 @@ def build_tiny_model(out_dir: str, data_dir: str, vocab_size: int = 1024, seed: 
     tokenizer.save_pretrained(out_dir)
 
 
-def cache_dir() -> str:
-    """$TINY_TLDR_CACHE/<hash of this file>: editing the task or the judge rebuilds everything."""
+def build(task_dir: str = TASK_DIR) -> str:
+    """Write the task's data and base model into task_dir, unless they are there already from this
+    version of this file (a VERSION file holds its hash: editing the task or the judge rebuilds).
+    Built beside task_dir and renamed into place, so that a concurrent reader never sees half a build."""
     with open(__file__, "rb") as f:
         version = hashlib.sha256(f.read()).hexdigest()[:10]
-    return os.path.join(os.path.expanduser(os.environ.get("TINY_TLDR_CACHE", "~/.cache/tiny_tldr")), version)
-
-
-def _build_once(path: str, build) -> None:
-    """Build into a temp dir beside `path`, then rename: concurrent processes never see half a build."""
-    if os.path.isdir(path):
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".building-")
-    build(tmp)
+    stamp = os.path.join(task_dir, "VERSION")
+    if os.path.exists(stamp) and open(stamp).read() == version:
+        return task_dir
+    parent = os.path.dirname(os.path.abspath(task_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+    build_datasets(tmp)
+    build_tiny_model(os.path.join(tmp, "tiny-pythia"), tmp)
+    with open(os.path.join(tmp, "VERSION"), "w") as f:
+        f.write(version)
+    old = tempfile.mkdtemp(dir=parent, prefix=".old-")
+    if os.path.exists(task_dir):
+        os.replace(task_dir, os.path.join(old, "x"))
     try:
-        os.rename(tmp, path)
+        os.rename(tmp, task_dir)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return task_dir
 
 
-def materialize(name: str) -> str | None:
-    """Local path for a tiny-task name (built on first use), or None for any other name."""
-    if name not in (TINY_MODEL, TINY_SFT_DATA, TINY_PREFERENCE_DATA) or os.path.exists(name):
-        return None
-    data_dir = os.path.join(cache_dir(), "data")
-    _build_once(data_dir, build_datasets)
-    if name != TINY_MODEL:
-        return os.path.join(data_dir, name.removeprefix("tiny-"))
-    model_dir = os.path.join(cache_dir(), TINY_MODEL)
-    _build_once(model_dir, lambda p: build_tiny_model(p, data_dir))
-    return model_dir
+if __name__ == "__main__":
+    import argparse
 
-
-def local(name: str) -> str:
-    """The local folder of a tiny-task name (built on first use); any other name or path unchanged.
-    The scripts pass their model and dataset names through this before loading, so that the
-    defaults work out of the box while common/ knows nothing of the tiny task."""
-    return materialize(name) or name
-
-
-def judge_policy(model, tokenizer, split: str = "test", temperature: float = 0.0,
-                 max_new_tokens: int = 48, batch_size: int = 64) -> dict:
-    """Summarise every prompt of a split of the tiny task and judge against the references:
-    gold win rate (with its 95% interval), mean gold score, completion length, share that stopped."""
-    from common.data import encode_prompt
-    from common.generation import generate
-
-    with open(os.path.join(materialize(TINY_SFT_DATA), f"{split}.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    prompts = [r["prompt"] for r in rows]
-    _, _, ids, mask, finished = generate(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
-                                         max_new_tokens, temperature, batch_size=batch_size)
-    summaries = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    rate, ci = win_rate(prompts, summaries, [r["completion"] for r in rows], finished.tolist())
-    scores = [gold_score(p, s, f) for p, s, f in zip(prompts, summaries, finished.tolist())]
-    return {"win_rate": rate, "win_rate_ci": ci, "score": sum(scores) / len(scores),
-            "mean_length": mask.sum(1).float().mean().item(), "finished": finished.float().mean().item()}
+    parser = argparse.ArgumentParser(description="Build the tiny TL;DR task's data and base model.")
+    parser.add_argument("--task_dir", default=TASK_DIR, help="where to write them (default: tiny_tldr/ in the project)")
+    print(f"tiny TL;DR task in {build(parser.parse_args().task_dir)}")

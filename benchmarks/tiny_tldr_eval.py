@@ -34,7 +34,7 @@ class Args:
     max_new_tokens: int = 48
     """token budget of every completion (the scripts' default)"""
     batch_size: int = 64
-    """prompts per generate call (64 as in tiny_tldr.judge_policy, so greedy summaries are the ones it judged)"""
+    """prompts per generate call"""
     out: str | None = None
     """JSON file written (default <run_dir>/eval.json)"""
 
@@ -82,7 +82,7 @@ def evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer
 
 
 def main(args: Args):
-    with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_SFT_DATA), "test.jsonl")) as f:
+    with open(os.path.join(tiny_tldr.build(), "tldr", "test.jsonl")) as f:
         rows = [json.loads(line) for line in f][:args.num_prompts]
     sft_path, reward_path = os.path.join(args.run_dir, "sft"), os.path.join(args.run_dir, "reward")
     sft = load_policy(sft_path, load_tokenizer(sft_path)).eval()

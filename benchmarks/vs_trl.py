@@ -251,7 +251,8 @@ def post_body(prompt: str) -> str:
 def data_files(work: str, model: str) -> dict:
     """Training data per script (a .jsonl file both sides read). Tiny: the task's own files (prompts only
     for the online scripts). SmolLM2: the same posts as one-turn conversations asking for a summary."""
-    sft_dir, pref_dir = (tiny_tldr.materialize(n) for n in (tiny_tldr.TINY_SFT_DATA, tiny_tldr.TINY_PREFERENCE_DATA))
+    tiny_tldr.build()
+    sft_dir, pref_dir = tiny_tldr.TINY_SFT_DATA, tiny_tldr.TINY_PREFERENCE_DATA
     sft, pref = os.path.join(sft_dir, "train.jsonl"), os.path.join(pref_dir, "train.jsonl")
     os.makedirs(work, exist_ok=True)
     if model == "tiny":
@@ -296,7 +297,7 @@ def starting_models(args: Args, work: str, scripts: list[str]) -> dict:
     sft = args.sft_model_path
     if sft is None and set(scripts) - {"sft"}:
         sft = build(os.path.join(work, "chain_sft"), ["algos/sft.py", *NO_EVAL["sft"]], args)
-    return {s: tiny_tldr.materialize(tiny_tldr.TINY_MODEL) if s == "sft" else sft for s in ALGOS}
+    return {s: tiny_tldr.TINY_MODEL if s == "sft" else sft for s in ALGOS}
 
 
 # ---------------------------------------------------------------------------------------------

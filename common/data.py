@@ -14,7 +14,7 @@ import os
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from common.runtime import UserError
+from common.runtime import UserError, check_built
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -23,6 +23,7 @@ def load_split(name: str, split: str) -> Dataset:
     """One split of a hub dataset, a local dataset directory (`save_to_disk` output or a folder of
     data files named by split) or a single local .json/.jsonl/.parquet/.csv file (split "train")."""
     path = name
+    check_built(path)
     try:
         if os.path.isfile(path):
             builder = FILE_BUILDERS.get(os.path.splitext(path)[1])

@@ -6,11 +6,12 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from common.runtime import UserError
+from common.runtime import UserError, check_built
 
 
 def _from_pretrained(cls, name_or_path: str, **kwargs):
     path = name_or_path
+    check_built(path)
     try:
         return cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:

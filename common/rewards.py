@@ -6,6 +6,7 @@ A reward function is named `module:function` and called by keyword, as TRL does:
 `f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`, where
 `columns` holds the dataset's other columns for these rows; None (or NaN) means "does not apply"
 and is left out of the sum; a completion no source scores gets NaN (see `compute_rewards`).
+A reward of weight 0 is computed and logged but left out of the sum (e.g. an oracle to watch).
 """
 
 import importlib
@@ -36,6 +37,8 @@ def load_reward_sources(model_paths: list[str], function_specs: list[str], weigh
     if len(weights) != len(sources):
         raise UserError(f"{len(weights)} reward_weights for {len(sources)} rewards "
                         f"({', '.join(name for name, _, _ in sources)}); give one weight per reward")
+    if not any(weights):
+        raise UserError("every reward has weight 0 (weight 0 only logs a reward); give one a weight")
     names = [name for name, _, _ in sources]
     sources = [(f"{name}_{i}" if names.count(name) > 1 else name, fn, tok) for i, (name, fn, tok) in enumerate(sources)]
     return sources, weights
@@ -143,6 +146,8 @@ def compute_rewards(sources, weights, prompts: list, completions: list, columns:
             i = int(per_source[name].isinf().nonzero()[0])
             raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} ({str(completions[i])[:40]!r}); "
                             "rewards must be finite (return None to leave a completion unscored)")
-    weighted = torch.stack(list(per_source.values()), dim=1) * torch.tensor(weights)
+    # a source of weight 0 is logged (rewards/<name>/mean) but not optimised: an oracle to watch
+    counted = [(values, w) for values, w in zip(per_source.values(), weights) if w != 0]
+    weighted = torch.stack([values for values, _ in counted], dim=1) * torch.tensor([w for _, w in counted])
     unscorable = weighted.isnan().all(dim=1)
     return weighted.nansum(dim=1).masked_fill(unscorable, math.nan), per_source

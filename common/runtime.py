@@ -29,6 +29,13 @@ def exit_on_user_error():
         sys.exit(2)
 
 
+def check_built(path: str):
+    """The scripts' defaults are the tiny task's folders (tiny_tldr/...), which a benchmark writes."""
+    if path.startswith("tiny_tldr/") and not os.path.exists(path):
+        raise UserError(f"'{path}' does not exist; build the tiny task first (from the project root): "
+                        "python benchmarks/tiny_tldr.py")
+
+
 # flags that size, count or scale something: 0 or less is never meaningful (and some divide by them)
 POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "learning_rate", "max_grad_norm", "num_train_epochs", "eval_steps", "max_length", "max_prompt_length",

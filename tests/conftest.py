@@ -23,20 +23,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tiny_cache(tmp_path_factory):
-    """Build the tiny task (data, tokenizer, base model) into a fresh cache for this session."""
-    os.environ["TINY_TLDR_CACHE"] = str(tmp_path_factory.mktemp("tiny_tldr_cache"))
+def tiny_task():
+    """The tiny task (data, tokenizer, base model) in <project>/tiny_tldr, where the scripts' defaults
+    point; built by `python benchmarks/tiny_tldr.py` (kept while this version of the task is current)."""
     from benchmarks import tiny_tldr
 
-    tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
-    return os.environ["TINY_TLDR_CACHE"]
+    os.chdir(ROOT)  # the defaults are paths relative to the project root
+    return tiny_tldr.build()
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_cache):
+def tiny_model(tiny_task):
     from benchmarks import tiny_tldr
 
-    return tiny_tldr.materialize(tiny_tldr.TINY_MODEL)
+    return tiny_tldr.TINY_MODEL
 
 
 @pytest.fixture()
@@ -73,7 +73,7 @@ def sft_model(tmp_path_factory, tiny_model):
     out = tmp_path_factory.mktemp("sft")
     run_script("algos/sft.py", "--max_steps", "4", "--per_device_train_batch_size", "8",
                "--eval_steps", "4", "--num_sample_generations", "1", "--max_new_tokens", "8",
-               "--gold_eval_split", "", "--output_dir", str(out))
+               "--output_dir", str(out))
     return str(out)
 
 

@@ -33,7 +33,7 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
 
 
 def sft_args(tmp_path, **kw):
-    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", gold_eval_split="",
+    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", 
                     output_dir=str(tmp_path / "out"))
     return sft.Args(**{**defaults, **kw})
 

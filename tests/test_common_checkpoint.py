@@ -35,7 +35,6 @@ def argv(script, out, models, *extra):
     if script == "ppo":
         model += ["--reward_model_path", rm_model]
     quiet = ["--dataset_test_split", ""] if script in ("sft", "reward") else []  # no evaluation passes
-    quiet += [] if script == "reward" else ["--gold_eval_split", ""]
     return [f"algos/{script}.py", "--max_steps", str(STEPS), "--logging_steps", "1", "--run_name", "r", *quiet,
             *model, *flags, "--output_dir", str(out), *extra]
 
@@ -102,7 +101,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm
 
 
 def sft_args(tmp_path, **kw):
-    return sft.Args(**{**dict(max_steps=4, per_device_train_batch_size=2, dataset_test_split="", gold_eval_split="",
+    return sft.Args(**{**dict(max_steps=4, per_device_train_batch_size=2, dataset_test_split="",
                               logging_steps=1, run_name="r", output_dir=str(tmp_path / "out")), **kw})
 
 
@@ -167,7 +166,7 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
 
     def args(out, **kw):
         return dpo.Args(model_name_or_path=sft_model, max_steps=4, per_device_train_batch_size=4, dataset_test_split="",
-                        gold_eval_split="", sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                        sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
                         learning_rate=1e-3, logging_steps=1, run_name="r", output_dir=str(out), **kw)
     dpo.main(args(tmp_path / "full", save_steps=2))
     os.makedirs(tmp_path / "cut" / "logs")

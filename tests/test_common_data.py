@@ -1,6 +1,9 @@
 """Dataset loading and validation, chat templates, and prompt/completion tokenization."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from datasets import Dataset, DatasetDict
@@ -8,6 +11,7 @@ from datasets import Dataset, DatasetDict
 from common.data import (check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          prompt_text)
 from common.runtime import UserError
+from tests.conftest import ROOT
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n"
                  "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -29,11 +33,20 @@ def test_load_jsonl_file_and_directory_and_save_to_disk(tmp_path):
     assert len(load_split(str(tmp_path / "saved"), "train")) == 2
 
 
-def test_tiny_names_resolve_to_built_data(tiny_cache):
-    from benchmarks import tiny_tldr
-
-    split = load_split(tiny_tldr.local("tiny-tldr-preference"), "validation")
+def test_the_defaults_are_the_built_tiny_task(tiny_task):
+    split = load_split("tiny_tldr/tldr-preference", "validation")  # a script's default, from the project root
     assert split.column_names == ["prompt", "chosen", "rejected"]
+
+
+def test_an_unbuilt_tiny_task_says_how_to_build_it(tmp_path):
+    """Run from a folder without tiny_tldr/: one line with the command that builds it, not a hub error."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "sft.py")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: 'tiny_tldr/tiny-pythia' does not exist; build the tiny task "
+                                                "first (from the project root): python benchmarks/tiny_tldr.py"]
+    with pytest.raises(UserError, match="python benchmarks/tiny_tldr.py"):
+        load_split("tiny_tldr/missing", "train")  # cwd: the project root (conftest)
 
 
 @pytest.mark.parametrize("make,message", [

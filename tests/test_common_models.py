@@ -64,5 +64,5 @@ def test_frozen_reference_runs_under_the_policys_bf16_autocast(tmp_path, sft_mod
     run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", "--reward_funcs",
                "tests.toy_rewards:short", "--bf16", "--beta", "0.1", "--max_steps", "1",
                "--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "8",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     assert read_log(out)[0]["kl"] == 0.0

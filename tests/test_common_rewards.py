@@ -62,6 +62,17 @@ def test_a_completion_no_source_scores_is_nan_not_zero(reward_module):
     assert per_source["nan_for_x"][1:].isnan().all()
 
 
+def test_a_reward_of_weight_zero_is_logged_not_summed(reward_module):
+    """An oracle passed with weight 0: its scores are reported, but neither its values nor its
+    coverage enter the reward (a completion only it scores stays unscorable)."""
+    sources, weights = load_reward_sources([], ["toy_mod:sometimes", "toy_mod:length"], [1.0, 0.0], None)
+    total, per_source = compute_rewards(sources, weights, ["p"] * 2, ["ab", "xyz"], {})
+    assert total[0].item() == 10.0 and total[1].isnan()  # "xyz": only the weight-0 source scored it
+    assert per_source["length"].tolist() == [2.0, 3.0]
+    with pytest.raises(UserError, match="every reward has weight 0"):
+        load_reward_sources([], ["toy_mod:length"], [0.0], None)
+
+
 def test_inf_from_a_reward_function_is_named(reward_module):
     reward_module.huge = lambda completions, **kw: [1.0, -math.inf]
     sources, weights = load_reward_sources([], ["toy_mod:huge"], None, None)

@@ -63,7 +63,7 @@ def one_process_run(script, sft_model, rm_model, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"one_{script}")
         flags, _ = CASES[script]
         run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *model_flags(script, sft_model, rm_model),
-                   *flags, *QUIET.get(script, []), *([] if script == "reward" else ["--gold_eval_split", ""]),
+                   *flags, *QUIET.get(script, []),
                    "--gradient_accumulation_steps", "2", "--output_dir", str(out))
         _one_process[script] = str(out)
     return _one_process[script]
@@ -84,8 +84,6 @@ def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, s
     tolerance = TOLERANCE.get(script, 1e-5)
     assert_same_losses(log, read_log(one), keys, [1, 2], tolerance)
     assert "--- samples at step 2 ---" in out
-    if script != "reward":
-        assert "gold/win_rate" in log[-1]
     assert sorted(os.listdir(tmp_path / "ds" / "checkpoints")) == ["step_1", "step_2"]
     # the saved model is whole, loads the `from_pretrained` way, and is the 1-process run's model
     ds, reference = saved_weights(str(tmp_path / "ds"), script), saved_weights(one, script)
@@ -96,8 +94,7 @@ def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, s
     print(f"\n{script} zero{stage}:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
           "weights:", max((ds[k] - reference[k]).abs().max().item() for k in ds))
     if stage == 3:  # resumed from the checkpoint of step 1, the run ends where the uninterrupted one ended
-        quiet = [] if script == "reward" else ["--gold_eval_split", ""]
-        run_script(*common, *quiet, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+        run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
                    str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=launcher(stage))
         assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
         resumed = saved_weights(str(tmp_path / "resumed"), script)
@@ -111,7 +108,7 @@ def test_dpo_lora_with_precomputed_reference_under_zero3(tmp_path, sft_model):
     pytest.importorskip("deepspeed")
     pytest.importorskip("peft")
     run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--use_peft", "--precompute_ref_logps", "--max_steps", "2",
-               "--per_device_train_batch_size", "4", "--dataset_test_split", "", "--gold_eval_split", "",
+               "--per_device_train_batch_size", "4", "--dataset_test_split", "",
                "--logging_steps", "1", "--output_dir", str(tmp_path), launcher=launcher(3))
     assert [r["step"] for r in read_log(str(tmp_path)) if "loss" in r] == [1, 2]
     assert os.path.exists(tmp_path / "adapter_config.json")
@@ -134,7 +131,7 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_before_backward(tmp_path):
     the checkpoint of step 3 holds the weights of step 2."""
     pytest.importorskip("deepspeed")
     proc = run_script("tests/nan_sft.py", "--max_steps", "4", "--per_device_train_batch_size", "2", "--dataset_test_split",
-                      "", "--gold_eval_split", "", "--num_sample_generations", "0", "--save_steps", "2",
+                      "", "--num_sample_generations", "0", "--save_steps", "2",
                       "--output_dir", str(tmp_path), launcher=launcher(2), check=False,
                       env={**os.environ, "NAN_CALL": "3", "NAN_RANK": "1"})
     assert proc.returncode != 0

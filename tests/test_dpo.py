@@ -163,14 +163,14 @@ def test_dpo_overfits_a_small_set_and_saves_a_loadable_model(tmp_path, sft_model
     AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_precomputed_reference_gives_the_same_first_loss(tmp_path, sft_model):
+def test_precomputed_reference_gives_the_same_first_loss(tmp_path, sft_model, tiny_model):
     data = write_pairs(tmp_path / "pairs", 16)
     losses = []
     for flag in ([], ["--precompute_ref_logps"]):
         out = str(tmp_path / f"dpo{len(flag)}")
         # start from a policy that differs from the reference, so that the first loss is not log 2
         run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--ref_model_name_or_path",
-                   dpo.tiny_tldr.TINY_MODEL, "--dataset_name", data, "--max_steps", "2",
+                   tiny_model, "--dataset_name", data, "--max_steps", "2",
                    "--per_device_train_batch_size", "8", "--dataset_test_split", "", "--output_dir", out, *flag)
         losses.append([row["loss"] for row in read_log(out)])
     assert losses[0][0] != pytest.approx(math.log(2), abs=1e-3)

@@ -36,7 +36,7 @@ def first_ratio(script, out, **kw):
     """val/ratio of one rollout with one update over all of it: the first pass's ratio."""
     module = importlib.import_module(f"algos.{script}")
     module.main(module.Args(use_peft=True, reward_funcs=["tests.toy_rewards:short"], max_steps=1, num_ppo_epochs=1,
-                            per_device_train_batch_size=4, gold_eval_split="", output_dir=str(out), **kw))
+                            per_device_train_batch_size=4, output_dir=str(out), **kw))
     return read_log(out)[0]["val/ratio"]
 
 

@@ -11,16 +11,14 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
-NO_GOLD = ["--gold_eval_split", ""]
 SCRIPTS = {
     "reward.py": [],
-    "dpo.py": ["--precompute_ref_logps", *NO_GOLD],
-    "kto.py": NO_GOLD,
-    "grpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--num_iterations", "2",
-                *NO_GOLD],
-    "rloo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
-    "online_dpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
-    "ppo.py": ["--reward_model_path", "<rm>", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", *NO_GOLD],
+    "dpo.py": ["--precompute_ref_logps"],
+    "kto.py": [],
+    "grpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--num_iterations", "2"],
+    "rloo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward"],
+    "online_dpo.py": ["--reward_model_paths", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward"],
+    "ppo.py": ["--reward_model_path", "<rm>", "--reward_funcs", "benchmarks.tiny_tldr:gold_reward"],
 }
 LOSS_KEY = {"rloo.py": "loss/policy_avg", "ppo.py": "loss/value_avg"}
 

@@ -116,7 +116,7 @@ def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
         loaded.clear()
         grpo.main(grpo.Args(model_name_or_path=sft_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:zero"],
                             beta=beta, max_steps=1, per_device_train_batch_size=4, num_generations=2,
-                            max_completion_length=4, gold_eval_split="", output_dir=str(tmp_path / f"b{beta}")))
+                            max_completion_length=4, output_dir=str(tmp_path / f"b{beta}")))
         assert len(loaded) == (1 if beta == 0 else 2)
 
 
@@ -128,7 +128,7 @@ def test_with_every_completion_unscored_the_weights_do_not_move(tmp_path, sft_mo
                "--reward_funcs", "tests.toy_rewards:none", "--beta", "0.1", "--num_iterations", "2",
                "--gradient_accumulation_steps", "2", "--max_completion_length", "6", "--max_steps", "2",
                "--per_device_train_batch_size", "4", "--num_generations", "4", "--logging_steps", "1",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     log = read_log(out)
     assert len(log) == 2 and all(r["completions/unscored_ratio"] == 1.0 for r in log)
     before, after = load_file(os.path.join(sft_model, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
@@ -141,7 +141,7 @@ def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):
     run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths",
                "--reward_funcs", "tests.toy_rewards:zero", "--missing_eos_penalty", "1.5",
                "--max_completion_length", "2", "--max_steps", "2", "--per_device_train_batch_size", "8",
-               "--num_generations", "4", "--gold_eval_split", "", "--output_dir", out)
+               "--num_generations", "4", "--output_dir", out)
     log = read_log(out)
     assert log[0]["reward"] == -1.5 and log[0]["completions/clipped_ratio"] == 1.0
     assert log[0]["rewards/zero/mean"] == 0.0 and log[0]["frac_reward_zero_std"] == 1.0
@@ -154,7 +154,7 @@ def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_mo
     run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
                "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "40",
                "--per_device_train_batch_size", "32", "--num_generations", "4", "--learning_rate", "2e-3",
-               "--max_completion_length", "16", "--num_iterations", "2", "--gold_eval_split", "", "--output_dir", out)
+               "--max_completion_length", "16", "--num_iterations", "2", "--output_dir", out)
     log = read_log(out)
     assert {k for k in log[0] if k.startswith("rewards/")} == {f"rewards/{os.path.basename(rm_model)}/mean",
                                                                "rewards/short/mean"}

@@ -47,7 +47,7 @@ def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
     model = [] if script == "sft" else ["--model_name_or_path", sft_model]
     if script == "ppo":
         model += ["--reward_model_path", rm_model]
-    quiet = ["--logging_steps", "1", *QUIET.get(script, [])] + ([] if script == "reward" else ["--gold_eval_split", ""])
+    quiet = ["--logging_steps", "1", *QUIET.get(script, [])]
     common = [f"algos/{script}.py", "--max_steps", "2", *quiet, *model, *flags]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

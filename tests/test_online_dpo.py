@@ -38,7 +38,7 @@ def test_online_dpo_with_a_judge_switches_beta_per_epoch(tmp_path, sft_model):
     out = str(tmp_path / "odpo")
     run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path),
                "--judge", "tests.toy_rewards:prefer_shorter", "--beta", "0.1", "0.2", "--max_steps", "6",
-               "--per_device_train_batch_size", "8", "--max_new_tokens", "8", "--gold_eval_split", "",
+               "--per_device_train_batch_size", "8", "--max_new_tokens", "8",
                "--output_dir", out)
     log = read_log(out)
     names = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -55,7 +55,7 @@ def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
     run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path, 64),
                "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--max_steps", "32", "--beta", "1.0",
                "--per_device_train_batch_size", "16", "--learning_rate", "2e-3", "--max_new_tokens", "16",
-               "--temperature", "1.0", "--gold_eval_split", "", "--output_dir", out)
+               "--temperature", "1.0", "--output_dir", out)
     log = read_log(out)
     first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:4], log[-4:])]
     assert last > first + 0.5, (first, last)  # half a word shorter on average (a flipped loss makes it longer)

@@ -81,7 +81,7 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
                "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "24",
                "--per_device_train_batch_size", "16", "--num_ppo_epochs", "2", "--learning_rate", "2e-3",
                "--response_length", "16", "--temperature", "1.0", "--missing_eos_penalty", "1.0",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     log = read_log(out)
     names = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
              "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",

@@ -86,7 +86,7 @@ def test_sft(smollm2, chat_data, tmp_path):
     run_script("algos/sft.py", "--model_name_or_path", smollm2, "--dataset_name", chat_data["sft"],
                "--dataset_test_split", "test", "--max_steps", "2", "--per_device_train_batch_size", "2",
                "--max_length", "64", "--learning_rate", "1e-5", "--eval_steps", "2", "--num_sample_generations", "1",
-               "--max_new_tokens", "8", "--gold_eval_split", "", "--output_dir", out)
+               "--max_new_tokens", "8", "--output_dir", out)
     check_run(out, smollm2)
 
 
@@ -96,7 +96,7 @@ def test_dpo(smollm2, chat_data, tmp_path):
                "--dataset_test_split", "test", "--max_steps", "2", "--per_device_train_batch_size", "2",
                "--max_length", "64", "--max_prompt_length", "48", "--max_completion_length", "16",
                "--learning_rate", "1e-5", "--eval_steps", "2", "--num_sample_generations", "1", "--max_new_tokens", "8",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     check_run(out, smollm2)
 
 
@@ -106,5 +106,5 @@ def test_grpo(smollm2, chat_data, tmp_path):
                "--reward_model_paths", "--reward_funcs", "tests.realmodel_rewards:short_reply",
                "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
                "--max_completion_length", "8", "--learning_rate", "1e-5", "--num_sample_generations", "2",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     check_run(out, smollm2)

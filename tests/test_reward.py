@@ -71,7 +71,7 @@ def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
     # the logged accuracy (evaluated after step 3, the saved weights) against the saved model scoring
     # each held-out sequence alone, unpadded, at its last token (EOS): chosen must beat rejected
     tokenizer = load_tokenizer(out)
-    examples, _ = tokenize(load_split(tiny_tldr.local(tiny_tldr.TINY_PREFERENCE_DATA), "validation"), tokenizer,
+    examples, _ = tokenize(load_split(tiny_tldr.TINY_PREFERENCE_DATA, "validation"), tokenizer,
                            Args.max_length)
     backbone = getattr(model, model.base_model_prefix)
     with torch.no_grad():

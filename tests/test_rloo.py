@@ -82,7 +82,7 @@ def test_rloo_learns_a_toy_reward(tmp_path, sft_model):
                "--reward_funcs", "tests.toy_rewards:short", "--max_steps", "10", "--per_device_train_batch_size", "8",
                "--num_mini_batches", "2", "--rloo_k", "4", "--learning_rate", "2e-3", "--max_completion_length", "16",
                "--token_level_kl", "--normalize_advantages", "--missing_eos_penalty", "1.0",
-               "--gold_eval_split", "", "--output_dir", out)
+               "--output_dir", out)
     log = read_log(out)
     names = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
              "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "val/ratio",

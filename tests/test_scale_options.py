@@ -16,7 +16,7 @@ def test_lora_dpo_reference_is_the_base_model_and_adapters_load_with_peft(tmp_pa
     peft = pytest.importorskip("peft")  # in the dev extra; only these tests need it
     out = str(tmp_path / "dpo")
     run_script("algos/dpo.py", "--model_name_or_path", sft_model, *LORA, "--max_steps", "3", "--learning_rate", "1e-2",
-               "--per_device_train_batch_size", "4", "--dataset_test_split", "", "--gold_eval_split", "",
+               "--per_device_train_batch_size", "4", "--dataset_test_split", "",
                "--logging_steps", "1", "--output_dir", out)
     log = read_log(out)
     # LoRA's B starts at zero, so at step 1 the policy equals the reference (adapters off): loss = log 2
@@ -36,9 +36,8 @@ def test_lora_runs_and_saves_adapters(tmp_path, sft_model, rm_model, script):
     out = str(tmp_path / script)
     flags = {"reward": ["--per_device_train_batch_size", "4", "--dataset_test_split", ""],
              "grpo": ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
-                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--gold_eval_split", ""],
-             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8", "--reward_model_path", rm_model,
-                     "--gold_eval_split", ""]}[script]
+                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short"],
+             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8", "--reward_model_path", rm_model]}[script]
     run_script(f"algos/{script}.py", "--model_name_or_path", sft_model, *LORA, "--max_steps", "2", *flags,
                "--output_dir", out)
     assert "adapter_config.json" in os.listdir(out)
@@ -55,7 +54,7 @@ def test_gradient_checkpointing_leaves_the_loss_unchanged_and_bf16_runs(tmp_path
                         "bf16": ["--bf16"]}.items():
         out = str(tmp_path / name)
         run_script("algos/sft.py", "--model_name_or_path", sft_model, "--max_steps", "3", "--per_device_train_batch_size", "4",
-                   "--eval_steps", "100", "--num_sample_generations", "0", "--gold_eval_split", "", "--logging_steps", "1",
+                   "--eval_steps", "100", "--num_sample_generations", "0", "--logging_steps", "1",
                    *flags, "--output_dir", out)
         losses[name] = [r["loss"] for r in read_log(out) if "loss" in r]
     assert losses["checkpointing"] == pytest.approx(losses["plain"], abs=1e-6)

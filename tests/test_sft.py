@@ -13,7 +13,7 @@ from algos.sft import collate, sft_loss, tokenize
 from tests.conftest import run_script
 
 SMALL = ["--per_device_train_batch_size", "4", "--eval_steps", "100", "--num_sample_generations", "1",
-         "--max_new_tokens", "8", "--gold_eval_split", ""]
+         "--max_new_tokens", "8"]
 
 
 def test_sft_loss_equals_cross_entropy_on_completion_tokens():
@@ -107,7 +107,7 @@ def read_log(output_dir):
 def test_sft_end_to_end_saves_a_loadable_model(tmp_path):
     out = str(tmp_path / "sft")
     proc = run_script("algos/sft.py", "--max_steps", "3", *SMALL, "--output_dir", out)
-    assert "completion" in proc.stdout + proc.stderr and "gold_score" in proc.stdout + proc.stderr  # samples table
+    assert "completion" in proc.stdout + proc.stderr and "reference" in proc.stdout + proc.stderr  # samples table
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2, 3] and "eval_loss" in log[-1]
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -125,7 +125,7 @@ def test_sft_on_text_rows_trains_and_shows_continuations(tmp_path):
                          for i in range(n))
     out = str(tmp_path / "sft")
     proc = run_script("algos/sft.py", "--dataset_name", str(tmp_path), "--max_steps", "2",
-                      "--per_device_train_batch_size", "4", "--eval_steps", "2", "--gold_eval_split", "",
+                      "--per_device_train_batch_size", "4", "--eval_steps", "2",
                       "--logging_steps", "1", "--output_dir", out)
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2] and log[-1]["eval_loss"] < log[0]["loss"] + 1

@@ -77,8 +77,8 @@ def test_win_rate_counts_ties_as_half():
     assert ci > 0
 
 
-def test_datasets_have_the_trl_lib_columns(tiny_cache):
-    data = os.path.dirname(tiny_tldr.materialize(tiny_tldr.TINY_SFT_DATA))
+def test_datasets_have_the_trl_lib_columns(tiny_task):
+    data = tiny_tldr.TASK_DIR
     for split in tiny_tldr.SPLIT_SIZES:
         with open(os.path.join(data, "tldr", f"{split}.jsonl")) as f:
             row = json.loads(f.readline())
@@ -96,10 +96,10 @@ def test_datasets_have_the_trl_lib_columns(tiny_cache):
         assert 0.9 < labeller < 0.99 and 0.75 < gold < labeller - 0.03
 
 
-def test_references_leave_headroom(tiny_cache):
+def test_references_leave_headroom(tiny_task):
     """References are good but imperfect: the oracle (all six facts) beats nearly all of them, the most
     common style (three facts) few of them."""
-    with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_SFT_DATA), "test.jsonl")) as f:
+    with open(os.path.join(tiny_tldr.TINY_SFT_DATA, "test.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     prompts, references = [r["prompt"] for r in rows], [r["completion"] for r in rows]
     oracle, _ = tiny_tldr.win_rate(prompts, [tiny_tldr.oracle_summary(p) for p in prompts], references)

@@ -202,7 +202,7 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
     assert judged_pairs(judge.requests) == both_orders(examples)
 
     # the first 6 test prompts, their references, and the policy's greedy summaries
-    with open(os.path.join(tiny_tldr.materialize(tiny_tldr.TINY_SFT_DATA), "test.jsonl")) as f:
+    with open(os.path.join(tiny_tldr.TINY_SFT_DATA, "test.jsonl")) as f:
         rows = [json.loads(line) for line in f][:6]
     assert [(e["prompt"], e["reference"]) for e in examples] == [(r["prompt"], r["completion"]) for r in rows]
     tokenizer = load_tokenizer(tiny_model)
