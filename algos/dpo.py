@@ -43,11 +43,12 @@ import tyro
 from transformers import get_scheduler
 
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, completion_text, encode_completion, encode_prompt, is_conversational, load_split
+from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
+                         split_implicit_prompt)
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, deepspeed_stage, hint_learning_rate, load_policy,
                            load_tokenizer, prepare_frozen, reference)
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
 LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard", "nca_pair", "apo_zero",
@@ -78,7 +79,8 @@ class Args:
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
     dataset_name: str = "tiny_tldr/tldr-preference"
-    """prompt/chosen/rejected data, or chosen/rejected conversations (their shared start is the prompt)"""
+    """prompt/chosen/rejected data, or chosen/rejected without a prompt column (strings or conversations: their
+    shared start is the prompt): hub name, local directory or file"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
@@ -242,14 +244,6 @@ def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mas
 # ---------------------------------------------------------------------------------------------
 # data: tokenize with the truncation order, skip and count unusable pairs
 # ---------------------------------------------------------------------------------------------
-def split_implicit_prompt(chosen: list, rejected: list):
-    """Conversations given without a prompt: the messages both start with are the prompt."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
-        n += 1
-    return chosen[:n], chosen[n:], rejected[n:]
-
-
 def tokenize(dataset, tokenizer, args):
     """Rows -> (prompt ids, chosen ids, rejected ids) and a Counter of skipped rows by reason.
     Truncation order: the prompt keeps its last max_prompt_length tokens, each completion its first
@@ -261,7 +255,7 @@ def tokenize(dataset, tokenizer, args):
         else:
             prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
             if not prompt:
-                skipped["chosen and rejected share no prompt messages"] += 1
+                skipped[NO_SHARED_START] += 1
                 continue
         if chosen == rejected:
             skipped["chosen == rejected"] += 1
@@ -318,7 +312,13 @@ def main(args: Args):
     if args.sync_ref_model and args.use_peft:
         raise UserError("--sync_ref_model mixes the policy into a separate reference; with --use_peft the reference "
                         "is the base model itself (adapters off), so drop one of the two")
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"dpo__{args.seed}__{int(time.time())}"
     if args.sync_ref_model and deepspeed_stage(accelerator) == 3:
         raise UserError("--sync_ref_model (TR-DPO) mixes the reference with the policy weight by weight, which a "
                         "ZeRO-3-sharded reference cannot do; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
@@ -331,10 +331,7 @@ def main(args: Args):
 
     def load(split):
         dataset = load_split(args.dataset_name, split)
-        if check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,") \
-                == "implicit prompt" and not is_conversational(dataset[0]["chosen"]):
-            raise UserError(f"dataset '{args.dataset_name}' has no prompt column; chosen/rejected without a prompt "
-                            "must be conversations (lists of messages) whose shared start is the prompt")
+        check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,")
         examples, skipped = tokenize(dataset, tokenizer, args)
         if skipped:
             accelerator.print(f"skipped {sum(skipped.values())} of {len(dataset)} pairs of split {split}: "
@@ -355,8 +352,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
@@ -397,9 +397,14 @@ def main(args: Args):
         ref_model = None  # frees its memory: only the cached logprobs are needed from now on
         gc.collect()
         accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; reference model freed")
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs, "
                       f"loss {args.loss_type}, beta {args.beta}")
 
@@ -413,8 +418,9 @@ def main(args: Args):
         ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(
             [examples[i] for i in indices])
         delta = bco_sum / bco_count if bco_count else 0.0
-        losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type,
-                                              args.label_smoothing, args.simpo_gamma, delta)
+        losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, beta=args.beta, loss_type=args.loss_type,
+                                              label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
+                                              bco_delta=delta)
         loss = losses.mean()
         if args.loss_type == "bco_pair" and train:
             total = accelerator.reduce(torch.stack([reward_c.sum() + reward_r.sum(), torch.tensor(

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,8 +37,8 @@ from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt
 from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler
 
 
@@ -259,8 +260,36 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
     return (logps, token_entropy(logits, temperature)) if entropy else logps
 
 
+@dataclass
+class Rollout:
+    """One generation batch (this process's share) and what the num_iterations updates on it need;
+    carried between those updates, and saved in a checkpoint taken between two of them."""
+    input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
+    attention_mask: torch.Tensor
+    prompt_width: int  # P
+    completion_mask: torch.Tensor  # [B, T] tokens up to and including each completion's stop token
+    finished: torch.Tensor  # [B] the completion stopped by itself
+    loss_mask: torch.Tensor  # [B, T] completion tokens that enter the loss (unscorable ones do not)
+    advantages: torch.Tensor  # [B]
+    num_items: torch.Tensor  # the dapo normaliser (see grpo_loss)
+    old_logps: list  # per micro-batch [b, T], the sampling-time policy's (None when num_iterations == 1)
+    ref_logps: list  # per micro-batch [b, T] (None when beta == 0)
+    sampler_logps: torch.Tensor | None  # [B, T] the vLLM sampler's own logprobs
+    rewards: torch.Tensor  # [B] this process's, NaN where unscorable
+    all_rewards: torch.Tensor  # [global batch]
+    per_source: dict  # reward source name -> [B]
+    prompts: list
+    texts: list
+
+
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"grpo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
     args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.num_generations < 2 or args.generation_batch_size % args.num_generations:
@@ -272,8 +301,13 @@ def main(args: Args):
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
-        VLLMSampler.check(args, accelerator)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
+                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
+                        group_port=args.vllm_group_port)
+    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
+        VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -284,11 +318,16 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x {args.world_size} processes / num_generations "
                                f"{args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None
     if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -297,10 +336,15 @@ def main(args: Args):
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length, **vllm_options)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps; {args.generation_batch_size // args.num_generations} "
                       f"prompts x {args.num_generations} completions per generation batch; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -322,29 +366,27 @@ def main(args: Args):
         next(prompts_iter)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
-    # the generation batch while between two of its num_iterations passes (else None); a checkpoint taken
-    # there holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
-    generation_batch = resumed.get("generation_batch")
+    # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
+    # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
+    rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:
-        if generation_batch is not None:
-            (input_ids, attention_mask, prompt_width, old_logps, ref_logps, sampler_logps, advantages, loss_mask, num_items,
-             c_mask, finished, rewards, all_rewards, per_source, batch_prompts, texts) = generation_batch
-        else:
+        if rollout is None:
             # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
             indices = next(prompts_iter)
             # one seed per completion, from its place in the run: the same samples on 1 or N processes
             seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-            sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
-                        args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+            batch_prompt_ids = [prompt_ids[i] for i in indices]
             if sampler is not None:
                 if step > 0:  # the policy changed since the engine last got its weights
                     push_seconds = sampler.push_weights(model)
-                p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+                p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(
+                    tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
             else:
                 with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids,
+                                                                      seeds=seeds, **sampling)
                 sampler_logps = None
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
@@ -382,78 +424,80 @@ def main(args: Args):
                     with reference(accelerator, model, ref_model) as ref:
                         ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width, args.temperature)
                                      for s in micro]
+            rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width,
+                              completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
+                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps,
+                              rewards=rewards, all_rewards=all_rewards, per_source=per_source, prompts=batch_prompts,
+                              texts=texts)
 
         # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
         for _ in range(args.num_iterations - step % args.num_iterations):
             if step >= args.num_steps:
                 break
-            stats = torch.zeros(6, device=accelerator.device)  # loss, kl, entropy, clip low, high, region
+            r, stats = rollout, defaultdict(float)  # stats: name -> sum over micro-batches
             for m, s in enumerate(micro):
                 with accelerator.accumulate(model):
-                    logps, entropy = completion_logps(model, input_ids[s], attention_mask[s], prompt_width,
+                    logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
                                                       args.temperature, entropy=True)
-                    old = old_logps[m] if old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
+                    old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
                     is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
-                    if sampler_logps is not None and args.vllm_importance_sampling_cap:
-                        is_weights = torch.exp(old - sampler_logps[s]).clamp(max=args.vllm_importance_sampling_cap)
-                    loss, ratio = grpo_loss(logps, old, ref_logps[m], advantages[s], loss_mask[s], args.loss_type,
-                                            args.epsilon, epsilon_high, args.beta, args.importance_sampling_level,
-                                            args.max_completion_length, num_items, is_weights)
+                    if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
+                        is_weights = torch.exp(old - r.sampler_logps[s]).clamp(max=args.vllm_importance_sampling_cap)
+                    loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
+                                            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
+                                            beta=args.beta, importance_sampling_level=args.importance_sampling_level,
+                                            max_completion_length=args.max_completion_length,
+                                            num_items_in_batch=r.num_items, token_weights=is_weights)
                     if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                         accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):
+                        if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
                             optimizer.zero_grad()  # drop this update: the step below then changes nothing
                     optimizer.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
-                    mask, a = loss_mask[s], advantages[s][:, None]
+                    mask, a = r.loss_mask[s], r.advantages[s][:, None]
                     tokens = mask.sum().clamp(min=1)
                     low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
                     high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
-                    kl = 0.0
+                    stats["loss"] += loss.detach()
                     if args.beta:
-                        q = ref_logps[m] - logps.detach()
-                        kl = ((torch.exp(q) - q - 1) * mask).sum() / tokens
-                    stats += torch.stack([loss.detach(), torch.as_tensor(kl, device=mask.device), (entropy * mask).sum() / tokens,
-                                          (low * mask).sum() / tokens, (high * mask).sum() / tokens,
-                                          ((low + high) * mask).sum() / tokens])
+                        q = r.ref_logps[m] - logps.detach()
+                        stats["kl"] += ((torch.exp(q) - q - 1) * mask).sum() / tokens
+                    stats["entropy"] += (entropy * mask).sum() / tokens
+                    stats["clip_ratio/low_mean"] += (low * mask).sum() / tokens
+                    stats["clip_ratio/high_mean"] += (high * mask).sum() / tokens
+                    stats["clip_ratio/region_mean"] += ((low + high) * mask).sum() / tokens
             scheduler.step()
             tracker.step()
             step += 1
 
             # ---- LOG ----
-            loss, kl, entropy, clip_low, clip_high, clip_region = (
-                accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
-            lengths = accelerator.gather(c_mask.sum(1).float())
-            grouped = all_rewards.view(-1, args.num_generations)
+            metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+            grouped = r.all_rewards.view(-1, args.num_generations)
             spread = (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1)
-            scored = all_rewards[~all_rewards.isnan()]
-            metrics = {"loss": loss, "reward": scored.mean().item(), "reward_std": scored.std().item(),
-                       "completions/mean_length": lengths.mean().item(),
-                       "completions/clipped_ratio": 1 - accelerator.gather(finished.float()).mean().item(),
-                       "frac_reward_zero_std": (spread < 1e-6).float().mean().item(), "entropy": entropy,
-                       "completions/unscored_ratio": 1 - len(scored) / len(all_rewards),
-                       "clip_ratio/low_mean": clip_low, "clip_ratio/high_mean": clip_high,
-                       "clip_ratio/region_mean": clip_region, "grad_norm": float("nan" if grad_norm is None else grad_norm),
-                       "lr": scheduler.get_last_lr()[0], "episode": episode,
-                       "eps": (episode - start_episode) / (time.time() - start_time)}
-            for name, values in per_source.items():
+            scored = r.all_rewards[~r.all_rewards.isnan()]
+            metrics.update({
+                "reward": scored.mean().item(), "reward_std": scored.std().item(),
+                "completions/mean_length": accelerator.gather(r.completion_mask.sum(1).float()).mean().item(),
+                "completions/clipped_ratio": 1 - accelerator.gather(r.finished.float()).mean().item(),
+                "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
+                "frac_reward_zero_std": (spread < 1e-6).float().mean().item(),
+                "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
+                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)})
+            for name, values in r.per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-            if args.beta:
-                metrics["kl"] = kl
             if sampler is not None:
                 metrics["vllm/push_seconds"] = push_seconds
             if step % args.eval_steps == 0 or step == 1:
-                tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": r}
-                                     for p, t, r in zip(batch_prompts, texts, rewards.tolist())][:args.num_sample_generations], step)
+                tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": reward} for p, t, reward
+                                     in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
             tracker.log(metrics, step)
-            generation_batch = None if step % args.num_iterations == 0 else (
-                input_ids, attention_mask, prompt_width, old_logps, ref_logps, sampler_logps, advantages, loss_mask, num_items,
-                c_mask, finished, rewards, all_rewards, per_source, batch_prompts, texts)
+            if step % args.num_iterations == 0:  # the next step samples a new rollout
+                rollout = None
             # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
-            checkpointer.end_of_step(step, {"episode": episode, "generation_batch": generation_batch})
+            checkpointer.end_of_step(step, {"episode": episode, "rollout": rollout and vars(rollout)})
 
     # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)

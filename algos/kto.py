@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+from collections import defaultdict
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -33,11 +34,11 @@ import tyro
 from transformers import get_scheduler
 
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, completion_text, encode_completion, encode_prompt, load_split
+from common.data import NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split, split_implicit_prompt
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 
 
 @dataclass
@@ -64,7 +65,8 @@ class Args:
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
     dataset_name: str = "tiny_tldr/tldr-preference"
-    """prompt/completion/label data, or prompt/chosen/rejected pairs (chosen -> label True, rejected -> False)"""
+    """prompt/completion/label data, or chosen/rejected pairs (chosen -> label True, rejected -> False) with a prompt
+    column or without (their shared start is the prompt): hub name, local directory or file"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
@@ -197,13 +199,16 @@ def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mas
 # data: unpaired rows (pairs are split), the truncation order, skipped rows counted
 # ---------------------------------------------------------------------------------------------
 def unpaired_rows(dataset, fmt: str):
-    """(prompt, completion, label) triples; a preference pair gives (chosen, True) and (rejected, False)."""
+    """(prompt, completion, label) triples; a preference pair gives (chosen, True) and (rejected, False),
+    its prompt being the shared start of the two when there is no prompt column (common.data)."""
     for row in dataset:
         if fmt == "unpaired":
             yield row["prompt"], row["completion"], row["label"]
         else:
-            yield row["prompt"], row["chosen"], True
-            yield row["prompt"], row["rejected"], False
+            prompt, chosen, rejected = ((row["prompt"], row["chosen"], row["rejected"]) if fmt == "preference"
+                                        else split_implicit_prompt(row["chosen"], row["rejected"]))
+            yield prompt, chosen, True
+            yield prompt, rejected, False
 
 
 def tokenize(rows, tokenizer, args):
@@ -214,6 +219,9 @@ def tokenize(rows, tokenizer, args):
     for prompt, completion, label in rows:
         if label not in (True, False):  # also accepts 0 / 1
             skipped["label not true/false"] += 1
+            continue
+        if not prompt:  # a pair without a prompt column whose chosen and rejected share no start
+            skipped[NO_SHARED_START] += 1
             continue
         if not completion_text(tokenizer, prompt, completion).strip():
             skipped["empty completion"] += 1
@@ -276,12 +284,19 @@ def main(args: Args):
     if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
         raise UserError("KTO estimates its KL reference point from mismatched rows of a batch: "
                         "--per_device_train_batch_size must be >= 2")
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"kto__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
-    formats = {"unpaired": ["prompt", "completion", "label"], "preference": ["prompt", "chosen", "rejected"]}
+    formats = {"unpaired": ["prompt", "completion", "label"], "preference": ["prompt", "chosen", "rejected"],
+               "implicit prompt": ["chosen", "rejected"]}
 
     def load(split):
         dataset = load_split(args.dataset_name, split)
@@ -316,8 +331,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
@@ -327,9 +345,14 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(train_examples)} training rows ({num_desirable} desirable), {args.num_steps} steps of "
                       f"{args.total_batch_size}, loss {args.loss_type}, beta {args.beta}")
 
@@ -350,18 +373,21 @@ def main(args: Args):
                 ref_logps = logps_from(ref, batch, accelerator.device)
         if kl is None:
             kl = torch.zeros((), device=accelerator.device)
-        losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
-                                   args.undesirable_weight, args.loss_type)
+        losses, rewards = kto_loss(logps, ref_logps, labels, kl, beta=args.beta, desirable_weight=args.desirable_weight,
+                                   undesirable_weight=args.undesirable_weight, loss_type=args.loss_type)
         good, bad = labels.float(), (~labels).float()
-        sums = torch.stack([losses.detach().sum(), (rewards * good).sum(), (rewards * bad).sum(),
-                            (logps.detach() * good).sum(), (logps.detach() * bad).sum(), good.sum(), bad.sum(),
-                            kl * len(examples), torch.tensor(float(len(examples)), device=accelerator.device)])
+        sums = {"loss": losses.detach().sum(), "rewards/chosen": (rewards * good).sum(),
+                "rewards/rejected": (rewards * bad).sum(), "logps/chosen": (logps.detach() * good).sum(),
+                "logps/rejected": (logps.detach() * bad).sum(), "kl": kl * len(examples),
+                "desirable": good.sum(), "undesirable": bad.sum(), "rows": len(examples)}
         return losses.mean(), sums
 
     def summarize(sums, prefix=""):
-        loss, r_good, r_bad, lp_good, lp_bad, n_good, n_bad, kl, n = accelerator.reduce(sums, "sum").tolist()
-        metrics = {"loss": loss / n, "rewards/chosen": r_good / max(n_good, 1), "rewards/rejected": r_bad / max(n_bad, 1),
-                   "logps/chosen": lp_good / max(n_good, 1), "logps/rejected": lp_bad / max(n_bad, 1), "kl": kl / n}
+        """Sums over micro-batches and processes -> means per row (rewards and logps: per row of their class)."""
+        s = reduce_stats(accelerator, sums, reduction="sum")
+        desirable, undesirable, rows = max(s.pop("desirable"), 1), max(s.pop("undesirable"), 1), s.pop("rows")
+        metrics = {k: v / (desirable if k.endswith("chosen") else undesirable if k.endswith("rejected") else rows)
+                   for k, v in s.items()}
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return {prefix + k: v for k, v in metrics.items()}
 
@@ -371,8 +397,10 @@ def main(args: Args):
         model.eval()
         world = accelerator.num_processes  # equal shares (at most world - 1 rows left out): ZeRO-3 needs every rank in every forward
         mine = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
-        sums = sum(batch_stats(mine[i:i + args.per_device_eval_batch_size], model)[1]
-                   for i in range(0, len(mine), args.per_device_eval_batch_size))
+        sums = defaultdict(float)
+        for i in range(0, len(mine), args.per_device_eval_batch_size):
+            for name, value in batch_stats(mine[i:i + args.per_device_eval_batch_size], model)[1].items():
+                sums[name] += value
         model.train()
         return summarize(sums, "eval_")
 
@@ -414,7 +442,7 @@ def main(args: Args):
                                                       tokenizer.pad_token_id, args.max_length, accelerator.device)
                                          for m in micro])
             z0 = kl_reference_point(accelerator.gather(torch.cat(kl_ratios)), 0.0)
-        totals = 0
+        totals = defaultdict(float)  # name -> sum over micro-batches
         for examples, ref_m in zip(micro, ref_logps):
             with accelerator.accumulate(model):
                 loss, sums = batch_stats(examples, model, z0, ref_m)
@@ -426,7 +454,8 @@ def main(args: Args):
                         optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
-            totals = totals + sums
+            for name, value in sums.items():
+                totals[name] += value
         scheduler.step()
         tracker.step()
 

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,8 +36,8 @@ from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, import_judge, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler
 
 
@@ -222,14 +223,25 @@ def online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
 
 
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"online_dpo__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     args.num_steps = args.max_steps
     if args.max_new_tokens >= args.max_length:
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt under max_length {args.max_length}")
 
-    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
-        VLLMSampler.check(args, accelerator)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
+                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
+                        group_port=args.vllm_group_port)
+    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
+        VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -239,8 +251,11 @@ def main(args: Args):
                                f"per_device_train_batch_size {args.per_device_train_batch_size} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
@@ -255,10 +270,15 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_length) if args.use_vllm else None
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options) if args.use_vllm else None
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions; "
                       f"ranked by {'judge ' + args.judge if judge else ', '.join(n for n, _, _ in sources)}")
 
@@ -284,7 +304,7 @@ def main(args: Args):
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
-        stats, source_means = torch.zeros(13, device=accelerator.device), {}
+        stats = defaultdict(float)  # name -> sum over micro-batches
         if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
             push_seconds = sampler.push_weights(model)
         for _ in range(args.gradient_accumulation_steps):
@@ -294,13 +314,15 @@ def main(args: Args):
             # one seed per completion, from the prompt's place in the global batch: the same samples on 1 or N processes
             seeds = [args.seed * 10**9 + episode + 2 * (j * args.world_size + accelerator.process_index) + k
                      for j in range(len(indices)) for k in range(2)]
-            sampling = (tokenizer, [prompt_ids[i] for i in pair_indices], args.max_new_tokens, args.temperature,
-                        1.0, 0, 0.0, 1.0)
+            batch_prompt_ids = [prompt_ids[i] for i in pair_indices]
             if sampler is not None:
-                p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(*sampling, seeds)
+                p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(
+                    tokenizer, batch_prompt_ids, args.max_new_tokens, temperature=args.temperature, seeds=seeds)
             else:
                 with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids,
+                                                                      args.max_new_tokens, temperature=args.temperature,
+                                                                      seeds=seeds)
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
             episode += len(pair_indices) * args.world_size
@@ -318,8 +340,8 @@ def main(args: Args):
                                                      {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
                                                      [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
                 scores = scores.to(accelerator.device)
-                for name, values in per_source.items():  # each source's mean over the step's micro-batches
-                    source_means[name] = source_means.get(name, 0.0) + values.nanmean().item() / args.gradient_accumulation_steps
+                for name, values in per_source.items():
+                    stats[f"rewards/{name}/mean"] += values.nanmean()
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
             # a pair with an unscorable completion (no reward source scored it: NaN) stays out of the
@@ -333,37 +355,40 @@ def main(args: Args):
                 with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
                     ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width)
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
-                                                             ref_logps[rows_r], beta, args.loss_type)
+                                                             ref_logps[rows_r], beta=beta, loss_type=args.loss_type)
                 loss = (losses * ranked).sum() / len(losses)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    if not checkpointer.finite(loss=stats[0] + loss.detach(), grad_norm=grad_norm):
+                    if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
                         optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             kl = (logps.detach() - ref_logps).view(-1, 2).mean(1)  # per prompt, over its two samples
             margin = (pairs.flatten()[rows_c] - pairs.flatten()[rows_r]).mean()
-            stats += torch.stack([
-                loss.detach(), kl.mean(), -logps.detach().mean(), pairs.mean(), margin,
-                reward_c.mean(), reward_r.mean(), (reward_c > reward_r).float().mean(), logps.detach()[rows_c].mean(),
-                logps.detach()[rows_r].mean(), finished.float().mean(), (pairs.mean(1) - beta * kl).mean(), unscored])
+            stats["loss"] += loss.detach()
+            stats["objective/kl"] += kl.mean()
+            stats["objective/entropy"] += -logps.detach().mean()
+            stats["objective/scores"] += pairs.mean()
+            stats["objective/scores_margin"] += margin
+            stats["rewards/chosen"] += reward_c.mean()
+            stats["rewards/rejected"] += reward_r.mean()
+            stats["rewards/accuracies"] += (reward_c > reward_r).float().mean()
+            stats["logps/chosen"] += logps.detach()[rows_c].mean()
+            stats["logps/rejected"] += logps.detach()[rows_r].mean()
+            stats["val/contain_eos_token"] += finished.float().mean()
+            stats["objective/rlhf_reward"] += (pairs.mean(1) - beta * kl).mean()
+            stats["completions/unscored_ratio"] += unscored
         scheduler.step()
         tracker.step()
 
         # ---- LOG (TRL's online DPO names) ----
-        (loss, kl, entropy, score, margin, r_c, r_r, acc, lp_c, lp_r, eos, rlhf, unscored) = (
-            accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
-        metrics = {"loss": loss, "objective/kl": kl, "objective/entropy": entropy, "objective/non_score_reward": -beta * kl,
-                   "objective/rlhf_reward": rlhf, "objective/scores": score, "objective/scores_margin": margin,
-                   "rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": acc, "rewards/margins": r_c - r_r,
-                   "logps/chosen": lp_c, "logps/rejected": lp_r, "val/contain_eos_token": eos, "beta": beta,
-                   "completions/unscored_ratio": unscored,
-                   "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0], "episode": episode,
-                   "eps": (episode - start_episode) / (time.time() - start_time)}
-        for name, value in source_means.items():
-            metrics[f"rewards/{name}/mean"] = accelerator.reduce(torch.tensor(value, device=accelerator.device), "mean").item()
+        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        metrics |= {"objective/non_score_reward": -beta * metrics["objective/kl"],
+                    "rewards/margins": metrics["rewards/chosen"] - metrics["rewards/rejected"], "beta": beta,
+                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
+                    "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         if step % args.eval_steps == 0 or step == 1:

@@ -22,6 +22,7 @@ import contextlib
 import os
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,8 +36,8 @@ from common.generation import generate, real_positions, shifted_logits, token_en
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler
 
 
@@ -291,14 +292,25 @@ def rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width: int,
 
 
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"ppo__{args.seed}__{int(time.time())}"
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.rollout_batch_size = local_size * args.world_size
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
-        VLLMSampler.check(args, accelerator)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
+                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
+                        group_port=args.vllm_group_port)
+    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
+        VLLMSampler.check(accelerator, **vllm_options)
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -309,13 +321,18 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, policy, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                   gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, policy, args.learning_rate, Args.learning_rate)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
-    value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype), args, "SEQ_CLS")
+    value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype),
+                        gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout,
+                        task_type="SEQ_CLS")
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
@@ -325,12 +342,17 @@ def main(args: Args):
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length)
-    tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
+        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length, **vllm_options)
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
 
@@ -357,14 +379,17 @@ def main(args: Args):
         indices = next(batches)
         # one seed per response, from its place in the run: the same samples on 1 or N processes
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.response_length, args.temperature, 1.0, 0, 0.0, 1.0)
+        batch_prompt_ids = [prompt_ids[i] for i in indices]
         if sampler is not None:
             if step > 1:  # the policy changed since the engine last got its weights
                 push_seconds = sampler.push_weights(accelerator.unwrap_model(model).policy)
-            p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+            p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(
+                tokenizer, batch_prompt_ids, args.response_length, temperature=args.temperature, seeds=seeds)
         else:
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                p_ids, p_mask, r_ids, r_mask, finished = generate(unwrapped.policy, *sampling, seeds=seeds)
+                p_ids, p_mask, r_ids, r_mask, finished = generate(unwrapped.policy, tokenizer, batch_prompt_ids,
+                                                                  args.response_length, temperature=args.temperature,
+                                                                  seeds=seeds)
             sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device)
         if args.stop_token == "none":
             r_ids, r_mask = r_ids.masked_fill(r_mask == 0, tokenizer.eos_token_id), torch.ones_like(r_mask)
@@ -408,7 +433,7 @@ def main(args: Args):
         advantages = whiten(advantages, mask)  # N+ detail: advantage whitening over the batch
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
-        stats = torch.zeros(8, device=accelerator.device)  # pg loss, vf loss, pg clip, vf clip, approx kl, entropy, ratio, ratio^2
+        stats = defaultdict(float)  # name -> sum over micro-batches
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
             for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
@@ -423,8 +448,9 @@ def main(args: Args):
                         if sampler is not None and args.vllm_importance_sampling_cap:
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
                         pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m,
-                                                                            args.cliprange, is_weights)
-                        vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m, args.cliprange_value)
+                                                                            cliprange=args.cliprange, token_weights=is_weights)
+                        vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m,
+                                                          cliprange_value=args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                             accelerator.backward(loss)
@@ -435,27 +461,29 @@ def main(args: Args):
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
-                        entropy = masked_mean(token_entropy(logits), m)
-                        r = masked_mean(ratio, m)
-                        stats += torch.stack([pg_loss.detach(), vf_loss.detach(), pg_clipfrac, vf_clipfrac, approxkl.detach(),
-                                              entropy, r, masked_mean(ratio.detach() ** 2, m)])
+                        stats["loss/policy_avg"] += pg_loss.detach()
+                        stats["loss/value_avg"] += vf_loss.detach()
+                        stats["policy/clipfrac_avg"] += pg_clipfrac
+                        stats["val/clipfrac_avg"] += vf_clipfrac
+                        stats["policy/approxkl_avg"] += approxkl.detach()
+                        stats["policy/entropy_avg"] += masked_mean(token_entropy(logits), m)
+                        stats["val/ratio"] += masked_mean(ratio, m)
+                        stats["val/ratio_squared"] += masked_mean(ratio.detach() ** 2, m)
                 scheduler.step()
         tracker.step()
 
         # ---- LOG (TRL's PPO names) ----
         n = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
-        pg, vf, pg_clip, vf_clip, approxkl, entropy, ratio_mean, ratio_sq = (accelerator.reduce(stats, "mean") / n).tolist()
+        metrics = reduce_stats(accelerator, stats, n)
+        metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
         seq_kl, all_scores = kl.sum(1), scores
-        metrics = {"objective/kl": seq_kl.mean().item(),
-                   "objective/entropy": (-old_logps.sum(1)).mean().item(),
-                   "objective/non_score_reward": -args.kl_coef * seq_kl.mean().item(),
-                   "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
-                   "objective/scores": all_scores.mean().item(), "policy/approxkl_avg": approxkl,
-                   "policy/clipfrac_avg": pg_clip, "loss/policy_avg": pg, "loss/value_avg": vf,
-                   "val/clipfrac_avg": vf_clip, "policy/entropy_avg": entropy, "val/ratio": ratio_mean,
-                   "val/ratio_var": ratio_sq - ratio_mean ** 2,
-                   "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
-                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+        metrics |= {"objective/kl": seq_kl.mean().item(),
+                    "objective/entropy": (-old_logps.sum(1)).mean().item(),
+                    "objective/non_score_reward": -args.kl_coef * seq_kl.mean().item(),
+                    "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
+                    "objective/scores": all_scores.mean().item(),
+                    "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
+                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,12 +28,12 @@ import tyro
 from transformers import get_scheduler
 
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, encode_completion, encode_prompt, load_split
+from common.data import NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split, split_implicit_prompt
 from common.generation import pad, unwrapped_for_generation
 from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 
 
 @dataclass
@@ -57,7 +58,8 @@ class Args:
     model_name_or_path: str = "output/sft"
     """model to start from, usually the SFT model (a causal LM gets a new scalar head)"""
     dataset_name: str = "tiny_tldr/tldr-preference"
-    """prompt/chosen/rejected data (optional margin column): hub name, local directory or file"""
+    """prompt/chosen/rejected data, or chosen/rejected without a prompt column (strings or conversations: their shared
+    start is the prompt); optional margin column: hub name, local directory or file"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
@@ -153,14 +155,22 @@ def reward_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, ma
 
 def tokenize(dataset, tokenizer, max_length: int):
     """Rows -> (prompt ids, chosen ids, rejected ids, margin); pairs longer than `max_length` are
-    dropped and counted, and so are pairs whose chosen and rejected are the same (they carry no signal)."""
-    examples, skipped = [], 0
+    dropped and counted, and so are pairs whose chosen and rejected are the same (they carry no signal)
+    and, without a prompt column, pairs that share no start to be the prompt."""
+    examples, skipped = [], Counter()
     for row in dataset:
-        prompt_ids = encode_prompt(tokenizer, row["prompt"])
-        chosen = encode_completion(tokenizer, row["prompt"], row["chosen"])
-        rejected = encode_completion(tokenizer, row["prompt"], row["rejected"])
-        if len(prompt_ids) + max(len(chosen), len(rejected)) > max_length or chosen == rejected:
-            skipped += 1
+        prompt, chosen, rejected = ((row["prompt"], row["chosen"], row["rejected"]) if "prompt" in row
+                                    else split_implicit_prompt(row["chosen"], row["rejected"]))
+        if not prompt:
+            skipped[NO_SHARED_START] += 1
+            continue
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        chosen, rejected = encode_completion(tokenizer, prompt, chosen), encode_completion(tokenizer, prompt, rejected)
+        if chosen == rejected:
+            skipped["chosen == rejected"] += 1
+            continue
+        if len(prompt_ids) + max(len(chosen), len(rejected)) > max_length:
+            skipped[f"longer than max_length={max_length}"] += 1
             continue
         examples.append((prompt_ids, chosen, rejected, float(row.get("margin") or 0.0)))
     return examples, skipped
@@ -189,19 +199,21 @@ def rewards_of(model, batch, device):
 def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Preference accuracy, loss and mean rewards over the eval pairs (all processes)."""
     model.eval()
-    sums = torch.zeros(5, device=accelerator.device)  # correct, loss, chosen, rejected, count
+    sums = defaultdict(float)  # name -> sum over the pairs
     world = accelerator.num_processes  # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
     shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
         chosen, rejected, margin = rewards_of(model, collate(shard[i:i + args.per_device_eval_batch_size],
                                                             tokenizer.pad_token_id), accelerator.device)
-        n = len(chosen)
-        sums += torch.stack([(chosen > rejected).float().sum(), reward_loss(chosen, rejected, margin) * n,
-                             chosen.sum(), rejected.sum(), torch.tensor(float(n), device=chosen.device)])
+        sums["eval_accuracy"] += (chosen > rejected).float().sum()
+        sums["eval_loss"] += reward_loss(chosen, rejected, margin) * len(chosen)
+        sums["eval_rewards/chosen"] += chosen.sum()
+        sums["eval_rewards/rejected"] += rejected.sum()
+        sums["pairs"] += len(chosen)
     model.train()
-    correct, loss, chosen, rejected, count = accelerator.reduce(sums, "sum").tolist()
-    return {"eval_accuracy": correct / count, "eval_loss": loss / count,
-            "eval_rewards/chosen": chosen / count, "eval_rewards/rejected": rejected / count}
+    sums = reduce_stats(accelerator, sums, reduction="sum")
+    pairs = sums.pop("pairs")
+    return {name: value / pairs for name, value in sums.items()}
 
 
 def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator):
@@ -219,21 +231,26 @@ def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerato
 
 
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"reward__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
-    formats = {"preference": ["prompt", "chosen", "rejected"]}
+    formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
     train_split = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
     if skipped:
-        accelerator.print(f"skipped {skipped} of {len(train_split)} training pairs (longer than "
-                          f"max_length={args.max_length}, or chosen == rejected)")
+        accelerator.print(f"skipped {sum(skipped.values())} of {len(train_split)} training pairs: {why}")
     if not train_examples:
-        raise UserError(f"no training pair left: all are longer than max_length={args.max_length} "
-                        "or have chosen == rejected; raise --max_length or check the data")
+        raise UserError(f"no training pair left: {why}; raise --max_length or check the data")
     eval_examples = []
     if args.dataset_test_split:
         eval_split = load_split(args.dataset_name, args.dataset_test_split)
@@ -248,8 +265,11 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype, new_head=True), args, "SEQ_CLS")
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype, new_head=True),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, task_type="SEQ_CLS")
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
         # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1)); under
         # ZeRO-3 it was sharded while loading: drawn whole on the main process, which hands out the shards
@@ -264,9 +284,14 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs")
 
     def micro_batches():
@@ -287,12 +312,12 @@ def main(args: Args):
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
-        stats = torch.zeros(4, device=accelerator.device)  # loss, accuracy, chosen, rejected
+        stats = defaultdict(float)  # name -> sum over micro-batches
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches)
             with accelerator.accumulate(model):
                 chosen, rejected, margin = rewards_of(model, batch, accelerator.device)
-                loss = reward_loss(chosen, rejected, margin, args.center_rewards_coefficient)
+                loss = reward_loss(chosen, rejected, margin, center_rewards_coefficient=args.center_rewards_coefficient)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -301,17 +326,19 @@ def main(args: Args):
                         optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
-            stats += torch.stack([loss.detach(), (chosen > rejected).float().mean(),
-                                  chosen.detach().mean(), rejected.detach().mean()])
+            stats["loss"] += loss.detach()
+            stats["accuracy"] += (chosen > rejected).float().mean()
+            stats["rewards/chosen"] += chosen.detach().mean()
+            stats["rewards/rejected"] += rejected.detach().mean()
         scheduler.step()
         tracker.step()
 
         # ---- LOG ----
-        loss, accuracy, r_chosen, r_rejected = (accelerator.reduce(stats, "mean") / args.gradient_accumulation_steps).tolist()
-        metrics = {"loss": loss, "accuracy": accuracy, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
-                   "rewards/margins": r_chosen - r_rejected, "grad_norm": float("nan" if grad_norm is None else grad_norm),
-                   "lr": scheduler.get_last_lr()[0], "epoch": step / max(1, steps_per_epoch),
-                   "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
+        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        metrics |= {"rewards/margins": metrics["rewards/chosen"] - metrics["rewards/rejected"],
+                    "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
+                    "epoch": step / max(1, steps_per_epoch),
+                    "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate(model, eval_examples, args, tokenizer, accelerator))
             log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator)

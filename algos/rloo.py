@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,8 +36,8 @@ from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt
 from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
-from common.tracking import Tracker
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler
 
 
@@ -262,7 +263,13 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
 
 
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"rloo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.rollout_batch_size = local_size * args.world_size
@@ -274,8 +281,13 @@ def main(args: Args):
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    if args.use_vllm:  # before anything loads: vLLM installed, options compatible
-        VLLMSampler.check(args, accelerator)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
+                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
+                        group_port=args.vllm_group_port)
+    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
+        VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -286,23 +298,33 @@ def main(args: Args):
                                f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
                                f"{args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(args, accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length)
-    tracker = Tracker(args, accelerator, args.max_steps, resumed.get("step", 0))
+        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length, **vllm_options)
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
                       f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
                       "each; rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -340,15 +362,16 @@ def main(args: Args):
         indices = next(prompts_iter)
         # one seed per completion, from its place in the run: the same samples on 1 or N processes
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-        sampling = (tokenizer, [prompt_ids[i] for i in indices], args.max_completion_length, args.temperature,
-                    args.top_p, args.top_k, args.min_p, args.repetition_penalty)
+        batch_prompt_ids = [prompt_ids[i] for i in indices]
         if sampler is not None:
             if step > 1:  # the policy changed since the engine last got its weights
                 push_seconds = sampler.push_weights(model)
-            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(*sampling, seeds)
+            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(tokenizer, batch_prompt_ids,
+                                                                                     seeds=seeds, **sampling)
         else:
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, *sampling, seeds=seeds)
+                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds,
+                                                                  **sampling)
             sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device)
         # the same prompt width on every rank, so that the rollout can be gathered
         p_ids = accelerator.pad_across_processes(p_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
@@ -398,7 +421,7 @@ def main(args: Args):
         mask = all_mask
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
-        stats = torch.zeros(5, device=accelerator.device)  # loss, approx kl, clip fraction, ratio, ratio^2
+        stats = defaultdict(float)  # name -> sum over micro-batches
         entropy_sum = torch.zeros((), device=accelerator.device)
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
@@ -412,8 +435,8 @@ def main(args: Args):
                         is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                         if sampler is not None and args.vllm_importance_sampling_cap:
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
-                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx], args.cliprange,
-                                                         is_weights)
+                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
+                                                         cliprange=args.cliprange, token_weights=is_weights)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                             accelerator.backward(loss)
                         if accelerator.sync_gradients:
@@ -426,9 +449,11 @@ def main(args: Args):
                         m, tokens = mask[idx], mask[idx].sum().clamp(min=1)
                         log_ratio = (logps.detach() - old_logps[idx]) * m
                         ratio = ratio.detach() * m
-                        stats += torch.stack([loss.detach(), 0.5 * (log_ratio ** 2).sum() / tokens,
-                                              (clipped.float() * m).sum() / tokens, ratio.sum() / tokens,
-                                              (ratio ** 2).sum() / tokens])
+                        stats["loss/policy_avg"] += loss.detach()
+                        stats["policy/approxkl_avg"] += 0.5 * (log_ratio ** 2).sum() / tokens
+                        stats["policy/clipfrac_avg"] += (clipped.float() * m).sum() / tokens
+                        stats["val/ratio"] += ratio.sum() / tokens
+                        stats["val/ratio_squared"] += (ratio ** 2).sum() / tokens
                         if epoch == 0:
                             entropy_sum += (entropy * m).sum()
                 scheduler.step()
@@ -436,17 +461,16 @@ def main(args: Args):
 
         # ---- LOG (TRL's RLOO names) ----
         n_micro = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
-        loss, approxkl, clipfrac, ratio_mean, ratio_sq = (accelerator.reduce(stats, "mean") / n_micro).tolist()
-        metrics = {"objective/kl": kl.sum(1).mean().item(),
-                   "objective/entropy": (accelerator.reduce(entropy_sum, "sum") / len(all_scores)).item(),
-                   "objective/non_score_reward": non_score_reward.mean().item(),
-                   "objective/rlhf_reward": rlhf_reward.nanmean().item(), "objective/scores": all_scores.nanmean().item(),
-                   "completions/unscored_ratio": 1 - scored.float().mean().item(),
-                   "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": clipfrac, "loss/policy_avg": loss,
-                   "val/ratio": ratio_mean, "val/ratio_var": ratio_sq - ratio_mean ** 2,
-                   "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
-                   "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
-                   "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+        metrics = reduce_stats(accelerator, stats, n_micro)
+        metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
+        metrics |= {"objective/kl": kl.sum(1).mean().item(),
+                    "objective/entropy": (accelerator.reduce(entropy_sum, "sum") / len(all_scores)).item(),
+                    "objective/non_score_reward": non_score_reward.mean().item(),
+                    "objective/rlhf_reward": rlhf_reward.nanmean().item(), "objective/scores": all_scores.nanmean().item(),
+                    "completions/unscored_ratio": 1 - scored.float().mean().item(),
+                    "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
+                    "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
+                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:

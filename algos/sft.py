@@ -26,7 +26,7 @@ from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
-from common.runtime import UserError, exit_on_user_error, setup, stop_on_signal
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
 
 
@@ -221,7 +221,7 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
         input_ids, attention_mask, loss_mask = (t.to(accelerator.device) for t in collate(
             shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id))
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        nll += sft_loss(logits, input_ids, loss_mask, 1.0)
+        nll += sft_loss(logits, input_ids, loss_mask, num_tokens=1.0)
         count += loss_mask[:, 1:].sum()
     model.train()
     return (accelerator.reduce(nll, "sum") / accelerator.reduce(count, "sum")).item()
@@ -248,7 +248,13 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
 
 
 def main(args: Args):
-    accelerator = setup(args)
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"sft__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
@@ -277,16 +283,24 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype), args)
-    hint_learning_rate(args, model, accelerator)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(args, accelerator, scheduler)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    tracker = Tracker(args, accelerator, args.num_steps, resumed.get("step", 0))
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
     accelerator.print(f"{len(train_examples)} training examples, {args.num_steps} steps of "
                       f"{args.total_batch_size} examples, {sum(p.numel() for p in model.parameters()):,} parameters")
 
@@ -318,7 +332,7 @@ def main(args: Args):
         for input_ids, attention_mask, loss_mask in micro:
             with accelerator.accumulate(model):
                 logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                loss = sft_loss(logits, input_ids, loss_mask, num_tokens)
+                loss = sft_loss(logits, input_ids, loss_mask, num_tokens=num_tokens)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:

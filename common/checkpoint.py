@@ -46,22 +46,24 @@ class Checkpointer:
     checkpoint; the newest --save_total_limit are kept. After each step `end_of_step` saves every
     --save_steps, and saves and exits after SIGTERM / Ctrl-C (runtime.stop_on_signal) or a
     non-finite loss or gradient, whose update `finite` has already dropped (in rloo/ppo a step is a
-    rollout: its other, finite mini-batch updates still apply). Call `resume` before creating the
-    Tracker: it restores the run name, so the metrics go on in the same JSONL."""
+    rollout: its other, finite mini-batch updates still apply). `resume` returns the run name with the
+    loop state: the caller's Tracker then goes on in the same JSONL."""
 
-    def __init__(self, args, accelerator, scheduler):
-        self.args, self.accelerator = args, accelerator
-        self.root = os.path.join(args.output_dir, "checkpoints")
+    def __init__(self, accelerator, scheduler, *, output_dir: str, run_name: str, resume_from: str | None,
+                 save_steps: int, save_total_limit: int, skip_nonfinite_steps: bool):
+        self.accelerator, self.run_name, self.resume_from = accelerator, run_name, resume_from
+        self.save_steps, self.save_total_limit, self.skip_nonfinite_steps = save_steps, save_total_limit, skip_nonfinite_steps
+        self.root = os.path.join(output_dir, "checkpoints")
         self.nonfinite = None  # (metric, value) that made this step's update be dropped
         # DeepSpeed steps its engine inside backward(), before `finite` can drop the update (it skips
         # an update whose gradients overflow by itself, and `end_of_step` asks it whether it did)
         self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
         self.skipped_backward = False
-        if self.engine is not None and args.skip_nonfinite_steps:
+        if self.engine is not None and skip_nonfinite_steps:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
                             "inside backward (skipping by itself those whose gradients overflow); without the flag a "
                             "non-finite loss is caught before backward, and the run saves the last good weights and stops")
-        if not args.resume_from_checkpoint and accelerator.is_main_process:
+        if not resume_from and accelerator.is_main_process:
             shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
@@ -72,8 +74,9 @@ class Checkpointer:
 
     def resume(self) -> dict:
         """Load --resume_from_checkpoint (a directory, or `latest` in <output_dir>/checkpoints) into
-        the model, optimizer, scheduler and RNGs; return the loop state saved with it ({} without)."""
-        path = self.args.resume_from_checkpoint
+        the model, optimizer, scheduler and RNGs; return the loop state saved with it (with "step" and
+        "run_name"; {} without)."""
+        path = self.resume_from
         if not path:
             return {}
         if path == "latest":
@@ -88,7 +91,7 @@ class Checkpointer:
         if state["world_size"] != self.accelerator.num_processes:
             raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")
         self.accelerator.load_state(path)
-        self.args.run_name = state["run_name"]  # the metrics go on in the same JSONL (and wandb run)
+        self.run_name = state["run_name"]  # the metrics go on in the same JSONL (and wandb run)
         self.accelerator.print(f"resumed from {path} at step {state['step']}")
         return state
 
@@ -131,12 +134,12 @@ class Checkpointer:
             if os.path.isdir(tmp):  # else a machine sharing this file system has renamed it
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
-            for old in self.saved()[:-max(1, self.args.save_total_limit)]:
+            for old in self.saved()[:-max(1, self.save_total_limit)]:
                 shutil.rmtree(os.path.join(self.root, old))
 
         in_turn(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
         acc.save_state(tmp)
-        torch.save({**state, "step": step, "run_name": self.args.run_name, "world_size": acc.num_processes},
+        torch.save({**state, "step": step, "run_name": self.run_name, "world_size": acc.num_processes},
                    os.path.join(tmp, f"loop_state_{acc.process_index}.pt"))
         acc.wait_for_everyone()
         in_turn(publish)
@@ -144,12 +147,12 @@ class Checkpointer:
 
     def end_of_step(self, step: int, state: dict):
         """Save every --save_steps; after a signal or a non-finite value, save and exit."""
-        args, acc = self.args, self.accelerator
+        acc = self.accelerator
         stop = acc.reduce(torch.tensor(float(runtime.stop_signal or 0), device=acc.device), "max").item()
         nonfinite, self.nonfinite = self.nonfinite, None
         applied = nonfinite and self.engine is not None and not self.skipped_backward and self.engine.was_step_applied()
         self.skipped_backward = False
-        if nonfinite and args.skip_nonfinite_steps:
+        if nonfinite and self.skip_nonfinite_steps:
             acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); update skipped (--skip_nonfinite_steps)")
             nonfinite = None
         if applied:
@@ -159,7 +162,7 @@ class Checkpointer:
                             "was written; lower --learning_rate and continue from the newest checkpoint"
                             + (f" ({os.path.join(self.root, newest)}) with --resume_from_checkpoint latest" if newest
                                else " (there is none: pass --save_steps to keep some)"))
-        if stop or nonfinite or (args.save_steps and step % args.save_steps == 0):
+        if stop or nonfinite or (self.save_steps and step % self.save_steps == 0):
             path = self.save(step, state)
             if stop:
                 acc.print(f"stopped by {signal.Signals(int(stop)).name} after step {step}; checkpoint in {path}; "

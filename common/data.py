@@ -5,7 +5,8 @@ lists of {"role", "content"} messages rendered with the tokenizer's chat templat
   prompt-completion  prompt, completion              (SFT; e.g. trl-lib/tldr)
   messages           messages                        (SFT; every assistant turn is learnt)
   language modelling text                            (SFT; every token is learnt)
-  preference         prompt, chosen, rejected        (reward, DPO; e.g. trl-lib/tldr-preference)
+  preference         prompt, chosen, rejected        (reward, DPO, KTO; e.g. trl-lib/tldr-preference)
+  implicit prompt    chosen, rejected                (the shared start is the prompt; `split_implicit_prompt`)
   unpaired           prompt, completion, label       (KTO)
   prompt-only        prompt                          (online RL)
 """
@@ -136,6 +137,28 @@ def completion_text(tokenizer, prompt, completion) -> str:
         raise UserError("the chat template renders the prompt differently with and without the "
                         "completion; the completion tokens cannot be separated from the prompt")
     return full[len(before):].rstrip()  # the template's trailing newline would follow the EOS
+
+
+NO_SHARED_START = "without a prompt column, chosen and rejected share no start to be the prompt"
+
+
+def split_implicit_prompt(chosen, rejected):
+    """(prompt, chosen, rejected) of a preference row without a prompt column: the start both share.
+    Messages (e.g. HuggingFaceH4/ultrafeedback_binarized): the leading messages both have, at least one
+    message left to each. Strings (e.g. Anthropic/hh-rlhf, "\n\nHuman: ...\n\nAssistant: ..."): the
+    shared text, cut back to a whitespace so that each completion starts at a word (words both
+    completions open with stay in the prompt). The prompt is empty when nothing is shared."""
+    if is_conversational(chosen):
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        return chosen[:n], chosen[n:], rejected[n:]
+    n = len(os.path.commonprefix([chosen, rejected]))
+    while n > 0 and not chosen[n - 1].isspace():
+        n -= 1  # back to the start of the word where they part (or where the shorter one ends)
+    while n > 0 and chosen[n - 1].isspace():
+        n -= 1  # the completion keeps its leading space, as in "Assistant: Sure"
+    return chosen[:n], chosen[n:], rejected[n:]
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:

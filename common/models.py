@@ -64,29 +64,29 @@ def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_hea
     return record_pad_id(model, tokenizer)
 
 
-def hint_learning_rate(args, model, accelerator):
+def hint_learning_rate(accelerator, model, learning_rate: float, default: float):
     """One line when a real model meets the tiny task's default learning rate: the defaults are tuned
     for its ~1M-parameter model, and real models want rates 10-1000x smaller (README, "Real models")."""
-    default = getattr(type(args), "learning_rate", None)
-    if args.learning_rate == default and model.num_parameters() > 10_000_000:
+    if learning_rate == default and model.num_parameters() > 10_000_000:
         accelerator.print(f"hint: --learning_rate {default} is the tiny task's default; for a model of "
                           f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\" for learning rates")
 
 
-def adapt(model, args, task_type: str = "CAUSAL_LM"):
-    """Turn on gradient checkpointing, wrap the model with LoRA adapters and turn dropout off, as the flags ask."""
-    if args.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and DDP
+def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = None, no_dropout: bool = False,
+          task_type: str = "CAUSAL_LM"):
+    """Turn on gradient checkpointing, wrap the model with LoRA adapters (lora: LoraConfig's r, lora_alpha,
+    lora_dropout, target_modules) and turn dropout off, as asked."""
+    if gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and DDP
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.use_peft:
+    if lora is not None:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise UserError("--use_peft needs peft: pip install 'minimal-post-training[peft]'") from None
-        targets = args.lora_target_modules
-        config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                            target_modules=targets[0] if targets == ["all-linear"] else targets)
-        model = get_peft_model(model, config)
-    if getattr(args, "disable_dropout", False):  # after LoRA, so lora_dropout goes too; sft/reward have no such flag
+        targets = lora["target_modules"]
+        model = get_peft_model(model, LoraConfig(task_type=task_type, **{
+            **lora, "target_modules": targets[0] if targets == ["all-linear"] else targets}))
+    if no_dropout:  # after LoRA, so lora_dropout goes too
         disable_dropout(model)
     return model
 

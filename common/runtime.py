@@ -4,7 +4,6 @@ import contextlib
 import os
 import signal
 import sys
-import time
 
 import torch
 from accelerate import Accelerator
@@ -44,9 +43,10 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "temperature")
 
 
-def check_positive(args):
+def check_positive(flags: dict):
+    """flags: the script's flag values by name (`vars(args)`); the sizes, counts and rates among them."""
     for name in POSITIVE:
-        value = getattr(args, name, None)
+        value = flags.get(name)
         if value is not None and value <= 0:
             why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
@@ -83,44 +83,37 @@ def exact_div(a: int, b: int, message: str) -> int:
     return a // b
 
 
-def setup(args) -> Accelerator:
-    """Accelerator with gradient accumulation (and bf16 with --bf16), and the same seed on every rank
+def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch_size: int, max_grad_norm: float,
+          bf16: bool = False) -> Accelerator:
+    """Accelerator with gradient accumulation (and bf16 mixed precision), and the same seed on every rank
     (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion).
-    Fills in `args.world_size`, `args.run_name`, and under DeepSpeed the batch size and clipping norm
-    it would otherwise expect from a prepared DataLoader or its config. Refuses non-positive sizes and
-    rates, and an output_dir that another run has used (see check_output_dir), before anything loads."""
-    check_positive(args)
-    check_output_dir(args)
+    Under DeepSpeed it also sets the batch size and clipping norm the engine would otherwise expect from
+    a prepared DataLoader or its config."""
     # DeepSpeed without CUDA (trying ZeRO on a CPU, as the tests do): accelerate leaves the backend unset
     # there, and every process then believes it is alone; gloo makes it a real multi-process run
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision="bf16" if getattr(args, "bf16", False) else None,
+    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
+                              mixed_precision="bf16" if bf16 else None,
                               kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
-    set_seed(args.seed)
-    args.world_size = accelerator.num_processes
-    if not getattr(args, "run_name", None):
-        script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-        args.run_name = f"{script}__{args.seed}__{int(time.time())}"
+    set_seed(seed)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+        plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
 
 
-def check_output_dir(args):
-    """A finished model (or another run's checkpoints) in output_dir is never overwritten by
+def check_output_dir(d: str, overwrite: bool, resume: str | None):
+    """A finished model (or another run's checkpoints) in output_dir `d` is never overwritten by
     accident: starting over needs --overwrite_output_dir, continuing needs --resume_from_checkpoint."""
-    d = args.output_dir
     finished = any(os.path.exists(os.path.join(d, f)) for f in ("config.json", "adapter_config.json"))
     checkpoints = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
-    if args.overwrite_output_dir or not (finished or checkpoints):
+    if overwrite or not (finished or checkpoints):
         return
     if finished:
         raise UserError(f"output_dir '{d}' already holds a finished model; pass --overwrite_output_dir to replace "
                         "it (it is replaced only when the new run finishes) or choose another --output_dir")
-    if not args.resume_from_checkpoint:
+    if not resume:
         raise UserError(f"output_dir '{d}' holds checkpoints of an unfinished run; continue it with "
                         "--resume_from_checkpoint latest, or start over with --overwrite_output_dir")

@@ -1,12 +1,12 @@
 """Metrics to stdout, to a JSONL file in the output dir (always) and to wandb (`--track`), plus a
 progress bar and tables of sample completions. Everything happens on the main process only."""
 
-import dataclasses
 import json
 import os
 import re
 import time
 
+import torch
 from tqdm.auto import tqdm
 
 # the JSONL fields that read the wall clock; everything else a run logs is the same for the same seed
@@ -15,32 +15,32 @@ TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
 
 
 class Tracker:
-    def __init__(self, args, accelerator, total_steps: int, start_step: int = 0):
-        """start_step > 0: a resumed run; its log goes on in the same file from that step."""
+    def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
+                 total_steps: int, start_step: int = 0, wandb_project: str | None = None, wandb_entity: str | None = None):
+        """config: the run's flags (saved beside the log); wandb_project: log to wandb too; start_step > 0:
+        a resumed run, whose log goes on in the same file from that step."""
         self.main = accelerator.is_main_process
-        self.every = max(1, args.logging_steps)
+        self.every = max(1, logging_steps)
         self.start = time.time()
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.main, dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
         # one file per run: a new run never overwrites the logs of an earlier one
-        self.path = os.path.join(args.output_dir, "logs", f"{args.run_name}.jsonl")
+        self.path = os.path.join(output_dir, "logs", f"{run_name}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if start_step and os.path.exists(self.path):  # drop what was logged after the checkpoint: it is redone
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
-        config = dataclasses.asdict(args)
-        with open(os.path.join(os.path.dirname(self.path), f"{args.run_name}.args.json"), "w") as f:
+        with open(os.path.join(os.path.dirname(self.path), f"{run_name}.args.json"), "w") as f:
             json.dump(config, f, indent=1)
-        if args.track:
+        if wandb_project:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                                    config=config, dir=args.output_dir,
-                                    id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow")
+            self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config,
+                                    dir=output_dir, id=re.sub(r"[^\w.-]", "_", run_name), resume="allow")
 
     def log(self, metrics: dict, step: int):
         """Record `metrics` (floats) at optimizer step `step`; printed every `logging_steps`."""
@@ -76,3 +76,10 @@ class Tracker:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def reduce_stats(accelerator, stats: dict, divide_by: float = 1, reduction: str = "mean") -> dict:
+    """{name: value on this process} -> {name: its mean (or sum) over processes / divide_by} as floats,
+    with one collective for them all (e.g. sums over micro-batches -> the step's means)."""
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in stats.values()])
+    return dict(zip(stats, (accelerator.reduce(values, reduction) / divide_by).tolist()))

@@ -71,10 +71,10 @@ def _keep_hf_classes():
                     setattr(cls, key, value) if value is not None else delattr(cls, key)
 
 
-def wait_for_server(args) -> tuple[str, int]:
-    """(URL, number of its workers) of the vLLM server, waiting up to --vllm_server_timeout for it."""
-    url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    deadline = time.time() + args.vllm_server_timeout
+def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
+    """(URL, number of its workers) of the vLLM server, waiting up to `timeout` seconds for it."""
+    url = f"http://{host}:{port}"
+    deadline = time.time() + timeout
     while True:
         try:
             with urllib.request.urlopen(f"{url}/get_world_size", timeout=5) as r:
@@ -82,38 +82,44 @@ def wait_for_server(args) -> tuple[str, int]:
         except OSError:
             if time.time() > deadline:
                 raise UserError(
-                    f"no vLLM server answered at {url} within {args.vllm_server_timeout:.0f} s; start one with "
+                    f"no vLLM server answered at {url} within {timeout:.0f} s; start one with "
                     "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
                     "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
             time.sleep(1)
 
 
 class VLLMSampler:
-    """Samples completions for token-id prompts (seed per completion) and takes new weights."""
+    """Samples completions for token-id prompts (seed per completion) and takes new weights. The
+    options are the scripts' --vllm_* flags: mode (colocate / server); colocate: gpu_memory_utilization,
+    enable_sleep_mode; server: server_host, server_port, server_timeout, group_port."""
 
     @staticmethod
-    def check(args, accelerator):
+    def check(accelerator, *, use_peft: bool, mode: str, server_host: str, server_port: int, server_timeout: float,
+              **_):
         """Fail early, before any model loads: vLLM importable, the options compatible, the server up."""
         try:
             import vllm
         except ImportError:
             raise UserError("--use_vllm needs vLLM: pip install 'minimal-post-training[vllm]' (on a CUDA machine)") from None
-        if args.use_peft and deepspeed_stage(accelerator) == 3:
+        if use_peft and deepspeed_stage(accelerator) == 3:
             raise UserError("--use_vllm with --use_peft under ZeRO-3 is not supported (merging adapters needs whole "
                             "layers); use ZeRO-2 (configs/deepspeed_zero2.yaml): LoRA's optimizer state is small")
-        if args.vllm_mode == "server":
-            wait_for_server(args)
+        if mode == "server":
+            wait_for_server(server_host, server_port, server_timeout)
         return vllm
 
-    def __init__(self, args, accelerator, model_path: str, max_length: int):
-        self.args, self.accelerator = args, accelerator
-        self.vllm = vllm = self.check(args, accelerator)
+    def __init__(self, accelerator, model_path: str, max_length: int, *, seed: int, dtype: str, use_peft: bool,
+                 mode: str, gpu_memory_utilization: float, enable_sleep_mode: bool, server_host: str, server_port: int,
+                 server_timeout: float, group_port: int):
+        self.accelerator, self.mode, self.enable_sleep_mode = accelerator, mode, enable_sleep_mode
+        self.vllm = vllm = self.check(accelerator, use_peft=use_peft, mode=mode, server_host=server_host,
+                                           server_port=server_port, server_timeout=server_timeout)
         try:  # where HF and vLLM read the model's EOS ids: generation_config.json, else config.json
             self.generation_config = GenerationConfig.from_pretrained(model_path)
         except OSError:
             self.generation_config = AutoConfig.from_pretrained(model_path)
-        if args.vllm_mode == "server":
-            self.url, self.server_world_size = wait_for_server(args)
+        if mode == "server":
+            self.url, self.server_world_size = wait_for_server(server_host, server_port, server_timeout)
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
@@ -127,8 +133,8 @@ class VLLMSampler:
                     return _full_parameters(accelerator, self._module)
 
             # called on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
-            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=args.vllm_server_host,
-                                       master_port=args.vllm_group_port, world_size=1 + self.server_world_size)
+            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=server_host,
+                                       master_port=group_port, world_size=1 + self.server_world_size)
             self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
@@ -136,20 +142,19 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
         with _keep_hf_classes():
             self.llm = vllm.LLM(
-                model=model_path, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                 max_model_len=min(max_length, getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_length)),
-                seed=args.seed, enable_sleep_mode=args.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs",
-                dtype=args.torch_dtype if args.torch_dtype != "auto" else "auto",
+                seed=seed, enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs", dtype=dtype,
                 distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
-        if args.vllm_enable_sleep_mode:
+        if enable_sleep_mode:
             self.llm.sleep(level=1)  # its memory goes back to training until the first rollout
-        self.weights_asleep = args.vllm_enable_sleep_mode
+        self.weights_asleep = enable_sleep_mode
 
     @torch.no_grad()
     def push_weights(self, model) -> float:
         """Load the policy's current weights into the engine; returns the seconds it took."""
         start = time.time()
-        if self.args.vllm_mode == "server":
+        if self.mode == "server":
             if self.sender is None:
                 self.sender = self.transfer(model)  # NCCL rendezvous with the server's workers, once
             self.sender.send_weights()  # every rank iterates (gathers); trainer rank 0 alone is in the group and sends
@@ -166,13 +171,14 @@ class VLLMSampler:
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
         return time.time() - start
 
-    def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, min_p: float, repetition_penalty: float, seeds: list[int]):
+    def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, *,
+                 seeds: list[int]):
         """As common.generation.generate, plus the sampler's logprob of each completion token [N, T]."""
         stop_ids = stop_token_ids(self.generation_config, tokenizer)  # the same as HF generate's
         params = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k or -1,
                       min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0, stop_token_ids=stop_ids)
-        if self.args.vllm_mode == "server":
+        if self.mode == "server":
             def one(prompt, seed):
                 body = json.dumps({"model": self.model_name, "prompt": prompt, "seed": seed, "return_token_ids": True,
                                    **params}).encode()
@@ -186,13 +192,13 @@ class VLLMSampler:
             with ThreadPoolExecutor(32) as pool:
                 results = list(pool.map(one, prompts, seeds))
         else:
-            if self.args.vllm_enable_sleep_mode:  # vLLM schedules nothing until every tag is awake
+            if self.enable_sleep_mode:  # vLLM schedules nothing until every tag is awake
                 self.llm.wake_up(tags=None if self.weights_asleep else ["kv_cache"])
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                         [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
             results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
                        for o in outputs]
-            if self.args.vllm_enable_sleep_mode:
+            if self.enable_sleep_mode:
                 self.llm.sleep(level=1)
                 self.weights_asleep = True
         device = self.accelerator.device

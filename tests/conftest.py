@@ -58,6 +58,13 @@ class FixedLogits(torch.nn.Module):
         return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})
 
 
+def vllm_options(**overrides) -> dict:
+    """VLLMSampler's options as the scripts pass them at their defaults, with `overrides`."""
+    return {**dict(seed=1, dtype="auto", use_peft=False, mode="colocate", gpu_memory_utilization=0.3,
+                   enable_sleep_mode=False, server_host="127.0.0.1", server_port=8000, server_timeout=240.0,
+                   group_port=51216), **overrides}
+
+
 def run_script(*argv, launcher=None, check=True, timeout=600, env=None):
     """Run `python <argv>` (or `<launcher> <argv>`) from the repo root; returns CompletedProcess."""
     cmd = (launcher or [sys.executable]) + list(argv)

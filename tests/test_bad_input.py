@@ -76,7 +76,7 @@ def test_reward_without_an_sft_model_says_so(tmp_path):
       {"prompt": "a " * 40, "chosen": " b", "rejected": " c"}], {},
      "no pair of split 'train' is left to train on: 1 chosen == rejected, 1 empty completion, "
      "1 prompt leaves no room under max_length=32"),
-    ([{"chosen": "a b", "rejected": "a c"}], {}, "chosen/rejected without a prompt must be conversations"),
+    ([{"chosen": "red", "rejected": "blue"}], {}, "left to train on: 1 without a prompt column, chosen and rejected share"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"precompute_ref_logps": True, "sync_ref_model": True},
      "exclude each other"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"loss_type": "robust", "label_smoothing": 0.5},
@@ -118,13 +118,11 @@ def test_scale_out_options_fail_early_with_one_line(tmp_path, sft_model, monkeyp
 
 
 def test_a_server_that_never_comes_up_is_one_clear_error():
-    from algos import grpo
     from common.vllm import wait_for_server
 
-    args = grpo.Args(use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_timeout=2)  # nothing listens on 9
     start = time.time()
     with pytest.raises(UserError, match=r"no vLLM server answered at http://127.0.0.1:9 within 2 s; start one with "):
-        wait_for_server(args)
+        wait_for_server("127.0.0.1", 9, 2)  # nothing listens on port 9
     assert time.time() - start < 10
 
 
@@ -160,7 +158,8 @@ def conversational(rows):
 CASES = [  # (script, case, rows from the script's good rows, Args fields, the error's pattern)
     # 1. missing or renamed columns
     ("sft", "columns", renamed("completion", "response"), {}, r"columns \[prompt, response\].*missing completion"),
-    ("reward", "columns", renamed("prompt", "question"), {}, r"preference \(prompt, chosen, rejected: missing prompt"),
+    ("reward", "columns", renamed("prompt", "question"), {}, "no training pair left: 4 without a prompt column, chosen "
+     "and rejected share no start"),
     ("dpo", "columns", renamed("rejected", "response"), {}, r"implicit prompt \(chosen, rejected: missing rejected\)"),
     ("kto", "columns", renamed("chosen", "response"), {}, r"missing completion, label\); preference .*missing chosen"),
     *[(s, "columns", renamed("prompt", "question"), {}, r"columns \[question\].*prompt-only \(prompt: missing prompt\)")
@@ -181,7 +180,7 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("online_dpo", "types", setting("prompt", ["a"]), {}, "has list .* in column 'prompt' at row 0"),
     ("ppo", "types", setting("prompt", {"text": "a"}), {}, "has dict .* in column 'prompt' at row 0"),
     # 4. every prompt longer than the length limit (sft, dpo: above; the online scripts keep a prompt's end)
-    ("reward", "too_long", None, dict(max_length=3), "no training pair left: all are longer than max_length=3"),
+    ("reward", "too_long", None, dict(max_length=3), "no training pair left: 4 longer than max_length=3"),
     ("kto", "too_long", None, dict(max_length=3), "8 prompt leaves no room under max_length=3"),
     # 5. conversations, but the tokenizer has no chat template
     *[(s, "chat", conversational, {}, "conversational .* but the tokenizer has no chat template") for s in SCRIPTS],

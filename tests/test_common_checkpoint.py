@@ -199,7 +199,6 @@ def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_pa
     its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
 
     from common.checkpoint import Checkpointer
 
@@ -207,7 +206,7 @@ def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_pa
 
     def rank(i):
         ck = Checkpointer.__new__(Checkpointer)  # no real accelerator: only what save() uses
-        ck.args, ck.accelerator = SimpleNamespace(run_name="r", save_total_limit=2), StandInRank(i, barrier)
+        ck.run_name, ck.save_total_limit, ck.accelerator = "r", 2, StandInRank(i, barrier)
         ck.root = str(tmp_path / ("shared" if shared else f"machine{i // 2}") / "checkpoints")
         for step in (1, 2, 3):
             ck.save(step, {})

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from algos import grpo
 from common.generation import generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
 from common import vllm as common_vllm
 from common.vllm import VLLMSampler, _full_parameters, _hf_parameters
+from tests.conftest import vllm_options
 
 
 def stand_in_accelerator(rank=0, processes=1, barrier=lambda: None):
@@ -124,7 +124,7 @@ def fake_vllm(monkeypatch):
         module.__dict__.update({} if module is attrs else attrs)
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the sampler sets it; undone after the test
-    monkeypatch.setattr(common_vllm, "wait_for_server", lambda args: ("http://server", 2))
+    monkeypatch.setattr(common_vllm, "wait_for_server", lambda host, port, timeout: ("http://server", 2))
     return vllm
 
 
@@ -133,8 +133,8 @@ def sample(sampler, tokenizer, prompts):
 
 
 def test_sleep_mode_wakes_the_weights_before_sampling(fake_vllm, tiny_model, tokenizer):
-    args = grpo.Args(use_vllm=True, vllm_enable_sleep_mode=True, torch_dtype="float32")
-    sampler = VLLMSampler(args, stand_in_accelerator(), tiny_model, max_length=64)
+    sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
+                          **vllm_options(enable_sleep_mode=True, dtype="float32"))
     policy = load_policy(tiny_model, tokenizer, "float32")
     for step in range(3):  # the first rollout comes before any push
         if step:
@@ -155,12 +155,11 @@ def test_server_mode_only_the_main_process_sends(fake_vllm, monkeypatch, tiny_mo
             iterated.append(name)
             yield name, param
     monkeypatch.setattr(common_vllm, "_full_parameters", full_parameters)
-    args = grpo.Args(use_vllm=True, vllm_mode="server")
     transfers = fake_vllm.transfers
     for rank in (1, 0):
         transfers.clear()
         accelerator = stand_in_accelerator(rank, processes=2, barrier=lambda: transfers.append("barrier"))
-        sampler = VLLMSampler(args, accelerator, tiny_model, max_length=64)
+        sampler = VLLMSampler(accelerator, tiny_model, max_length=64, **vllm_options(mode="server"))
         for _ in range(2):
             sampler.push_weights(policy)
         assert iterated == names * 2, f"rank {rank}"
@@ -206,7 +205,7 @@ def test_hf_and_vllm_stop_at_every_eos_of_the_generation_config(fake_vllm, tmp_p
     # vLLM is asked to stop at the same ids (read from the saved model's generation_config.json),
     # and its completions are cut and masked at them
     policy.save_pretrained(tmp_path)
-    sampler = VLLMSampler(grpo.Args(use_vllm=True), stand_in_accelerator(), str(tmp_path), max_length=64)
+    sampler = VLLMSampler(stand_in_accelerator(), str(tmp_path), max_length=64, **vllm_options())
     _, _, ids, mask, finished, _ = sample(sampler, tokenizer, [[10, 11, 5]])
     assert FakeLLM.last.params[0].stop_token_ids == [eos, second]
     assert ids.tolist() == [[6, second, pad, pad]] and mask.tolist() == [[1, 1, 0, 0]] and finished.tolist() == [True]

@@ -152,14 +152,13 @@ class _Engine:
 
 
 def _checkpointer(tmp_path, applied, skip=False):
-    args = types.SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None, skip_nonfinite_steps=skip,
-                                 save_steps=0, save_total_limit=2, run_name="r")
     accelerator = types.SimpleNamespace(
         is_main_process=True, is_local_main_process=True, device="cpu", num_processes=1, process_index=0, register_for_checkpointing=lambda *a: None,
         state=types.SimpleNamespace(deepspeed_plugin=object()), reduce=lambda t, op: t, wait_for_everyone=lambda: None,
         deepspeed_engine_wrapped=types.SimpleNamespace(engine=_Engine(applied)), print=print,
         save_state=lambda path: None)
-    return Checkpointer(args, accelerator, scheduler=None)
+    return Checkpointer(accelerator, None, output_dir=str(tmp_path), run_name="r", resume_from=None, save_steps=0,
+                        save_total_limit=2, skip_nonfinite_steps=skip)
 
 
 @pytest.mark.parametrize("applied", [False, True])

@@ -1,4 +1,5 @@
-"""sft.py, dpo.py and grpo.py on a real pretrained chat model, SmolLM2-135M-Instruct (python -m pytest -m realmodel).
+"""The scripts on a real pretrained chat model, SmolLM2-135M-Instruct (python -m pytest -m realmodel), with
+conversational data laid out as the hub datasets of TRL's documentation.
 
 The tiny task's model and tokenizer are made for these scripts; a real one brings what they are not:
 a Llama architecture, a ChatML chat template, and a tokenizer whose pad token is its EOS, used as
@@ -54,10 +55,19 @@ def chat_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat_data")
     user = lambda q: [{"role": "user", "content": q}]  # noqa: E731
     reply = lambda a: [{"role": "assistant", "content": a}]  # noqa: E731
+    wrong = "I don't know, sorry."
     rows = {"sft": [{"messages": user(q) + reply(a)} for q, a in QUESTIONS],
-            "dpo": [{"prompt": user(q), "chosen": reply(a), "rejected": reply("I don't know, sorry.")}
-                    for q, a in QUESTIONS],
-            "grpo": [{"prompt": user(q)} for q, _ in QUESTIONS]}
+            "dpo": [{"prompt": user(q), "chosen": reply(a), "rejected": reply(wrong)} for q, a in QUESTIONS],
+            "grpo": [{"prompt": user(q)} for q, _ in QUESTIONS],
+            # trl-lib/Capybara: multi-turn conversations, every assistant turn learnt
+            "capybara": [{"source": "toy", "messages": user(q) + reply(a) + user("Are you sure?") + reply("Yes.")}
+                         for q, a in QUESTIONS],
+            # trl-lib/ultrafeedback_binarized: chosen / rejected conversations holding the user turn, no prompt column
+            "ultrafeedback": [{"chosen": user(q) + reply(a), "rejected": user(q) + reply(wrong),
+                               "score_chosen": 8.0, "score_rejected": 2.0} for q, a in QUESTIONS],
+            # trl-lib/kto-mix-14k: unpaired prompt / completion conversations with a boolean label
+            "kto_mix": [{"prompt": user(q), "completion": reply(a if i % 2 else wrong), "label": bool(i % 2)}
+                        for i, (q, a) in enumerate(QUESTIONS + QUESTIONS)]}
     for name, data in rows.items():
         os.makedirs(root / name)
         for split, part in (("train", data[:6]), ("test", data[6:])):
@@ -108,3 +118,32 @@ def test_grpo(smollm2, chat_data, tmp_path):
                "--max_completion_length", "8", "--learning_rate", "1e-5", "--num_sample_generations", "2",
                "--output_dir", out)
     check_run(out, smollm2)
+
+
+SAMPLE = ["--num_sample_generations", "1", "--max_new_tokens", "8"]
+LAYOUTS = {  # script, data, flags: each a hub layout TRL's documentation trains on
+    "capybara-sft": ("sft", "capybara", ["--max_length", "64", *SAMPLE]),
+    "ultrafeedback-reward": ("reward", "ultrafeedback", ["--max_length", "64"]),
+    "ultrafeedback-dpo": ("dpo", "ultrafeedback", ["--max_length", "64", "--max_prompt_length", "48",
+                                                   "--max_completion_length", "16", *SAMPLE]),
+    "kto-mix-kto": ("kto", "kto_mix", ["--max_length", "64", "--max_prompt_length", "48",
+                                       "--max_completion_length", "16", *SAMPLE]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hub_layouts_train_on_a_chat_model(smollm2, chat_data, tmp_path, layout):
+    script, data, flags = LAYOUTS[layout]
+    out = str(tmp_path / layout)
+    run_script(f"algos/{script}.py", "--model_name_or_path", smollm2, "--dataset_name", chat_data[data],
+               "--dataset_test_split", "test", "--max_steps", "2", "--per_device_train_batch_size", "2",
+               "--learning_rate", "1e-5", "--eval_steps", "2", *flags, "--output_dir", out)
+    if script != "reward":
+        check_run(out, smollm2)
+        return
+    from transformers import AutoModelForSequenceClassification
+
+    losses = [r["loss"] for r in read_log(out)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert 0 <= read_log(out)[-1]["eval_accuracy"] <= 1
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1

@@ -32,7 +32,7 @@ def test_pairs_batch_chosen_then_rejected(tokenizer):
     rows = [{"prompt": "TITLE: a\n\nTL;DR:", "chosen": " good", "rejected": " bad one", "margin": 2.0},
             {"prompt": "TITLE: b\n\nTL;DR:", "chosen": " same", "rejected": " same"}]
     examples, skipped = tokenize(rows, tokenizer, max_length=64)
-    assert skipped == 1  # chosen == rejected carries no signal
+    assert skipped == {"chosen == rejected": 1}  # it carries no signal
     input_ids, attention_mask, margin, width = collate(examples, tokenizer.pad_token_id)
     assert input_ids.shape[0] == 2 and margin.tolist() == [2.0]
     # left-padded: every row's last position is its EOS, where the score is read

@@ -13,8 +13,8 @@ from accelerate import Accelerator  # noqa: E402
 
 from common.generation import generate  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from algos import grpo  # noqa: E402
 from common.vllm import VLLMSampler, _hf_parameters  # noqa: E402
+from tests.conftest import vllm_options  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 GREEDY = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
@@ -30,8 +30,8 @@ def sampler(sft_model):
     tests run in file order, the first with the engine as loaded from disk. On a CUDA machine it
     sleeps between rollouts (vLLM's sleep mode needs CUDA), so the tests also check that it wakes
     with the right weights, on the first rollout (no push yet) as after pushes."""
-    args = grpo.Args(use_vllm=True, torch_dtype="float32", vllm_enable_sleep_mode=torch.cuda.is_available())
-    return VLLMSampler(args, Accelerator(cpu=True), sft_model, max_length=256)
+    return VLLMSampler(Accelerator(cpu=True), sft_model, max_length=256,
+                       **vllm_options(dtype="float32", enable_sleep_mode=torch.cuda.is_available()))
 
 
 def test_colocated_engine_follows_pushed_weights(sft_model, sampler):
