@@ -35,7 +35,7 @@ from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.rewards import compute_rewards, import_judge, load_reward_sources
+from common.rewards import compute_rewards, import_function, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler
@@ -189,6 +189,24 @@ class Args:
 def select_chosen(scores: torch.Tensor) -> torch.Tensor:
     """Index (0 or 1) of the chosen completion of each pair from scores [B, 2]; a tie goes to 0."""
     return (scores[:, 1] > scores[:, 0]).long()
+
+
+def import_judge(spec: str):
+    """The pairwise judge `module:function(prompts, completion_pairs) -> list[int]`, wrapped so that
+    whatever it does wrong (raises, returns the wrong length or other than 0 / 1) is one line."""
+    judge = import_function(spec, "judge")
+
+    def checked(prompts, completion_pairs):
+        try:
+            picks = judge(prompts, completion_pairs)
+        except Exception as e:  # a user's function: say which one failed, in one line
+            raise UserError(f"judge '{spec}' raised {type(e).__name__}: {e}") from None
+        if (not isinstance(picks, (list, tuple)) or len(picks) != len(completion_pairs)
+                or any(p not in (0, 1) for p in picks)):
+            raise UserError(f"judge '{spec}' returned {str(picks)[:60]!r}; it must return 0 or 1 (the index of the "
+                            f"better completion) for each of the {len(completion_pairs)} pairs")
+        return list(picks)
+    return checked
 
 
 def judge_scores(picks) -> torch.Tensor:

@@ -23,19 +23,18 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 def load_split(name: str, split: str) -> Dataset:
     """One split of a hub dataset, a local dataset directory (`save_to_disk` output or a folder of
     data files named by split) or a single local .json/.jsonl/.parquet/.csv file (split "train")."""
-    path = name
-    check_built(path)
+    check_built(name)
     try:
-        if os.path.isfile(path):
-            builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
+        if os.path.isfile(name):
+            builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
             if builder is None:
                 raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
-            splits = load_dataset(builder, data_files={"train": path})
-        elif os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+            splits = load_dataset(builder, data_files={"train": name})
+        elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
                                          for f in ("dataset_dict.json", "dataset_info.json")):
-            splits = load_from_disk(path)
+            splits = load_from_disk(name)
         else:
-            splits = load_dataset(path)
+            splits = load_dataset(name)
     except UserError:
         raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types

@@ -10,12 +10,11 @@ from common.runtime import UserError, check_built
 
 
 def _from_pretrained(cls, name_or_path: str, **kwargs):
-    path = name_or_path
-    check_built(path)
+    check_built(name_or_path)
     try:
-        return cls.from_pretrained(path, **kwargs)
+        return cls.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError) as e:
-        hint = "" if os.path.isdir(path) else (
+        hint = "" if os.path.isdir(name_or_path) else (
             " (not a local directory; as a hub name it needs network access)")
         raise UserError(f"could not load '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
 

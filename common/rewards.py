@@ -55,24 +55,6 @@ def import_function(spec: str, what: str = "reward function"):
         raise UserError(f"could not import {what} '{spec}' (expected module:function): {e}") from None
 
 
-def import_judge(spec: str):
-    """The pairwise judge `module:function(prompts, completion_pairs) -> list[int]`, wrapped so that
-    whatever it does wrong (raises, returns the wrong length or other than 0 / 1) is one line."""
-    judge = import_function(spec, "judge")
-
-    def checked(prompts, completion_pairs):
-        try:
-            picks = judge(prompts, completion_pairs)
-        except Exception as e:  # a user's function: say which one failed, in one line
-            raise UserError(f"judge '{spec}' raised {type(e).__name__}: {e}") from None
-        if (not isinstance(picks, (list, tuple)) or len(picks) != len(completion_pairs)
-                or any(p not in (0, 1) for p in picks)):
-            raise UserError(f"judge '{spec}' returned {str(picks)[:60]!r}; it must return 0 or 1 (the index of the "
-                            f"better completion) for each of the {len(completion_pairs)} pairs")
-        return list(picks)
-    return checked
-
-
 def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
     """A one-output classifier's score of each LEFT-padded row, read at its last real token, [B].
 

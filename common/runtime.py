@@ -76,13 +76,6 @@ def stop_on_signal():
             signal.signal(s, handler)
 
 
-def exact_div(a: int, b: int, message: str) -> int:
-    """a / b when b divides a; otherwise a UserError with `message` (which should name the flags)."""
-    if b <= 0 or a % b != 0:
-        raise UserError(f"{message} ({a} is not divisible by {b})")
-    return a // b
-
-
 def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch_size: int, max_grad_norm: float,
           bf16: bool = False) -> Accelerator:
     """Accelerator with gradient accumulation (and bf16 mixed precision), and the same seed on every rank

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.models import load_policy, load_reward_model, load_tokenizer
-from common.runtime import UserError, exact_div
+from common.runtime import UserError
 
 
 def save_tokenizer_with(tiny_model, tmp_path, **special):
@@ -46,12 +46,6 @@ def test_causal_lm_as_reward_model_is_refused(tiny_model, tokenizer):
 def test_wrong_model_path_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="could not load"):
         load_tokenizer(str(tmp_path / "nope"))
-
-
-def test_exact_div_names_the_flags():
-    assert exact_div(12, 4, "x") == 3
-    with pytest.raises(UserError, match=r"--batch must divide \(10 is not divisible by 4\)"):
-        exact_div(10, 4, "--batch must divide")
 
 
 def test_frozen_reference_runs_under_the_policys_bf16_autocast(tmp_path, sft_model):
