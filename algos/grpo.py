@@ -369,6 +369,9 @@ def main(args: Args):
     # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
     # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
+    if resumed.get("generation_batch") is not None:
+        raise UserError("this checkpoint was written by an older grpo.py between two num_iterations passes; resume it "
+                        "with that version, or from a checkpoint at the end of a generation batch")
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:

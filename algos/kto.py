@@ -207,6 +207,7 @@ def unpaired_rows(dataset, fmt: str):
         else:
             prompt, chosen, rejected = ((row["prompt"], row["chosen"], row["rejected"]) if fmt == "preference"
                                         else split_implicit_prompt(row["chosen"], row["rejected"]))
+            prompt = prompt if fmt == "preference" or prompt else None  # None: they share no start
             yield prompt, chosen, True
             yield prompt, rejected, False
 
@@ -220,7 +221,7 @@ def tokenize(rows, tokenizer, args):
         if label not in (True, False):  # also accepts 0 / 1
             skipped["label not true/false"] += 1
             continue
-        if not prompt:  # a pair without a prompt column whose chosen and rejected share no start
+        if prompt is None:  # a pair without a prompt column whose chosen and rejected share no start
             skipped[NO_SHARED_START] += 1
             continue
         if not completion_text(tokenizer, prompt, completion).strip():

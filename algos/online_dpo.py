@@ -322,7 +322,7 @@ def main(args: Args):
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         beta = args.beta[min((step - 1) // steps_per_epoch, len(args.beta) - 1)]
-        stats = defaultdict(float)  # name -> sum over micro-batches
+        stats, source_scores = defaultdict(float), defaultdict(list)  # name -> sum over micro-batches; scores
         if sampler is not None and step > 1:  # the policy changed since the engine last got its weights
             push_seconds = sampler.push_weights(model)
         for _ in range(args.gradient_accumulation_steps):
@@ -358,8 +358,8 @@ def main(args: Args):
                                                      {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
                                                      [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
                 scores = scores.to(accelerator.device)
-                for name, values in per_source.items():
-                    stats[f"rewards/{name}/mean"] += values.nanmean()
+                for name, values in per_source.items():  # each source's scores of the step, logged as one mean
+                    source_scores[name].append(values.to(accelerator.device))
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
             # a pair with an unscorable completion (no reward source scored it: NaN) stays out of the
@@ -403,6 +403,8 @@ def main(args: Args):
 
         # ---- LOG (TRL's online DPO names) ----
         metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        for name, values in source_scores.items():
+            metrics[f"rewards/{name}/mean"] = accelerator.gather(torch.cat(values)).nanmean().item()
         metrics |= {"objective/non_score_reward": -beta * metrics["objective/kl"],
                     "rewards/margins": metrics["rewards/chosen"] - metrics["rewards/rejected"], "beta": beta,
                     "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],

@@ -404,8 +404,8 @@ def main(args: Args):
         old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
 
         # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail). The reward
-        # model scores every response, so none is unscorable: an extra reward function's None only
-        # leaves that function's term out of the sum ----
+        # model scores every response, so none is unscorable (unless it is given weight 0): an extra
+        # reward function's None only leaves that function's term out of the sum ----
         texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
         batch_prompts = [rows[i]["prompt"] for i in indices]
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
@@ -426,6 +426,9 @@ def main(args: Args):
         input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values, sampler_logps, scores = (
             accelerator.gather(t) for t in (input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values,
                                             sampler_logps, scores))
+        if scores.isnan().any():  # every rank sees the gathered scores: all stop alike
+            raise UserError("a response has no reward: the reward model has weight 0 and no reward function scored it "
+                            "(None); PPO needs a score for every response (give the reward model a weight)")
         rewards, kl = shape_rewards(old_logps, ref_logps, scores, mask, args.kl_coef, args.kl_estimator)
         if args.whiten_rewards:
             rewards = whiten(rewards, mask, shift_mean=False)

@@ -159,11 +159,13 @@ def tokenize(dataset, tokenizer, max_length: int):
     and, without a prompt column, pairs that share no start to be the prompt."""
     examples, skipped = [], Counter()
     for row in dataset:
-        prompt, chosen, rejected = ((row["prompt"], row["chosen"], row["rejected"]) if "prompt" in row
-                                    else split_implicit_prompt(row["chosen"], row["rejected"]))
-        if not prompt:
-            skipped[NO_SHARED_START] += 1
-            continue
+        if "prompt" in row:
+            prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+        else:
+            prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
+            if not prompt:
+                skipped[NO_SHARED_START] += 1
+                continue
         prompt_ids = encode_prompt(tokenizer, prompt)
         chosen, rejected = encode_completion(tokenizer, prompt, chosen), encode_completion(tokenizer, prompt, rejected)
         if chosen == rejected:

@@ -2,7 +2,7 @@
 
 Each script runs on the tiny model with fixed shapes (the batch sizes and lengths in SHAPES, passed
 explicitly so that a change of a script's defaults does not move the numbers), with evaluations,
-sample tables and the final gold evaluation switched off, in its own fresh Python process (so that
+sample tables switched off, in its own fresh Python process (so that
 peak memory belongs to that script alone). The clock starts when the last warm-up step logs and
 stops when the last measured step logs, so model loading, the warm-up and saving are never timed;
 the worker then stops the script (nothing after the last step runs).
@@ -40,6 +40,8 @@ from typing import Literal
 
 import tyro
 
+from benchmarks import tiny_tldr
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGOS = ("sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo")
 KINDS = ("forward", "backward", "generate", "optimizer")  # timed regions; the rest of a step is "other"
@@ -66,7 +68,7 @@ SHAPES = {
              "--response_length", "48", "--num_ppo_epochs", "4", "--num_mini_batches", "1",
              "--local_rollout_forward_batch_size", "64"], "32 samples of 48 tokens, 4 epochs"),
 }
-# everything that is not a training step: evaluations, sample tables, the final gold evaluation
+# everything that is not a training step: evaluations and sample tables
 NO_EVAL = {"sft": ["--dataset_test_split", ""],
            "reward": ["--dataset_test_split", ""],
            "dpo": ["--dataset_test_split", ""],
@@ -403,6 +405,7 @@ def format_table(head: list[str], lines: list[list[str]], markdown: bool) -> str
 def main(args: Args) -> dict:
     if args.warmup_steps < 1 or args.steps < 1:
         raise SystemExit("error: --warmup_steps and --steps must be >= 1 (the clock starts when the last warm-up step logs)")
+    tiny_tldr.build()  # the scripts' default data and base model
     work = args.work_dir or tempfile.mkdtemp(prefix="throughput-")
     os.makedirs(work, exist_ok=True)
     try:

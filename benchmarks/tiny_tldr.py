@@ -229,8 +229,8 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
 
 
 def gold_reward(prompts, completions, **columns) -> list[float]:
-    """The gold judge as a reward function for grpo.py / rloo.py (`--reward_funcs
-    benchmarks.tiny_tldr:gold_reward`): an oracle reward, for comparison with a learned one."""
+    """The gold judge as a reward function for the online scripts (`--reward_funcs
+    benchmarks.tiny_tldr:gold_reward`): an oracle reward, or with weight 0 a score only logged."""
     return [gold_score(p, c) for p, c in zip(prompts, completions)]
 
 

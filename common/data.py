@@ -143,7 +143,7 @@ NO_SHARED_START = "without a prompt column, chosen and rejected share no start t
 
 def split_implicit_prompt(chosen, rejected):
     """(prompt, chosen, rejected) of a preference row without a prompt column: the start both share.
-    Messages (e.g. HuggingFaceH4/ultrafeedback_binarized): the leading messages both have, at least one
+    Messages (e.g. trl-lib/ultrafeedback_binarized): the leading messages both have, at least one
     message left to each. Strings (e.g. Anthropic/hh-rlhf, "\n\nHuman: ...\n\nAssistant: ..."): the
     shared text, cut back to a whitespace so that each completion starts at a word (words both
     completions open with stay in the prompt). The prompt is empty when nothing is shared."""

@@ -200,6 +200,9 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
      "judge 'tests.toy_rewards:broken' raised ZeroDivisionError"),
     ("ppo", "reward_fn", None, dict(reward_funcs=["tests.toy_rewards:not_numbers"]),
      "'not_numbers' returned str 'good'"),
+    ("ppo", "unscored", None, dict(reward_funcs=["tests.toy_rewards:none"], reward_weights=[0.0, 1.0]),
+     "a response has no reward: the reward model has weight 0"),
+    ("grpo", "all_weight_0", None, dict(reward_funcs=REWARD, reward_weights=[0.0]), "every reward has weight 0"),
     # 8. fewer examples than one batch, even with --max_steps (num_generations / rloo_k that do not
     # divide the batch: tests/test_grpo.py, tests/test_rloo.py)
     *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "make no full batch of 4")

@@ -105,6 +105,18 @@ def sft_args(tmp_path, **kw):
                               logging_steps=1, run_name="r", output_dir=str(tmp_path / "out")), **kw})
 
 
+def test_a_resumed_run_logs_on_under_its_own_name(tmp_path):
+    """Without --run_name a run is named by the clock; resumed later, it goes on in the same JSONL."""
+    sft.main(sft_args(tmp_path, run_name=None, save_steps=2))
+    time.sleep(1.1)  # a new run started now would get another name
+    sft.main(sft_args(tmp_path, run_name=None, overwrite_output_dir=True,
+                      resume_from_checkpoint=str(tmp_path / "out" / "checkpoints" / "step_2")))
+    [log] = [f for f in os.listdir(tmp_path / "out" / "logs") if f.endswith(".jsonl")]
+    assert log.startswith("sft__1__")
+    with open(tmp_path / "out" / "logs" / log) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]  # 3 and 4 redone once, not twice
+
+
 def nan_on_call(monkeypatch, n):
     """Make sft's loss NaN on its n-th call (1-based) and only then."""
     calls, loss = [0], sft.sft_loss

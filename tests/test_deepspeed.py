@@ -1,7 +1,7 @@
 """Every script under DeepSpeed ZeRO-2 and ZeRO-3 on 2 processes, launched as a user launches it
 (`accelerate launch --config_file configs/deepspeed_zero3.yaml ...`), here on the CPU: without CUDA,
 common/runtime.setup gives the processes a gloo group, so the 2 ranks really shard and communicate.
-Each run has its evaluation, sample tables, gold evaluation, a checkpoint after step 1 and the final
+Each run has its evaluation, sample tables, a checkpoint after step 1 and the final
 save on, and must log the losses of the 1-process run with the same global batch and save the same
 weights; under ZeRO-3 it is also resumed from that checkpoint and must end where it ended.
 
@@ -43,7 +43,7 @@ def saved_weights(path, script):
 
 
 def assert_same_losses(a_log, b_log, keys, steps, tolerance=1e-5):
-    """The training rows (not the final gold row) of `steps` log the same `keys` in both runs."""
+    """The training rows of `steps` log the same `keys` in both runs."""
     a, b = ([r for r in log if r["step"] in steps and keys[0] in r] for log in (a_log, b_log))
     assert [r["step"] for r in a] == [r["step"] for r in b] == steps
     compared = set()

@@ -35,7 +35,7 @@ CASES = {  # script: (flags, logged losses to compare); per-device batch sizes f
 # the learning rate's size; the runs sum their gradients in different orders, and their weights end up to 3e-4
 # apart there, the eval loss 4e-5 (the training losses agree to 1e-7)
 TOLERANCE = {"reward": 1e-3}
-# what these tests leave out to save time (test_deepspeed.py keeps it all on): sample tables, evaluations, gold evaluation
+# what these tests leave out to save time (test_deepspeed.py keeps it all on): sample tables, evaluations
 QUIET = {"sft": ["--num_sample_generations", "0"], "reward": ["--num_sample_pairs", "0"],
          "dpo": ["--dataset_test_split", ""], "kto": ["--dataset_test_split", ""]}
 

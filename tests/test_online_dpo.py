@@ -53,9 +53,14 @@ def test_online_dpo_with_a_judge_switches_beta_per_epoch(tmp_path, sft_model):
 def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
     out = str(tmp_path / "odpo")
     run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path, 64),
-               "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "--max_steps", "32", "--beta", "1.0",
+               "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short", "tests.toy_rewards:short_or_none",
+               "--reward_weights", "1", "0", "--max_steps", "32", "--beta", "1.0",
                "--per_device_train_batch_size", "16", "--learning_rate", "2e-3", "--max_new_tokens", "16",
                "--temperature", "1.0", "--output_dir", out)
     log = read_log(out)
     first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:4], log[-4:])]
     assert last > first + 0.5, (first, last)  # half a word shorter on average (a flipped loss makes it longer)
+    # short_or_none, at weight 0, is logged but neither summed nor able to leave a completion unscored
+    for r in log:
+        assert r["objective/scores"] == pytest.approx(r["rewards/short/mean"], abs=1e-5)
+        assert r["completions/unscored_ratio"] == 0 and math.isfinite(r["rewards/short_or_none/mean"])

@@ -2,6 +2,7 @@
 reward shaping, and end-to-end runs including a learning test on a toy reward."""
 
 import math
+import os
 import statistics
 
 import pytest
@@ -90,3 +91,10 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
     assert names <= set(log[0]) and log[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:4], log[-4:])]
     assert last > first + 1.0, (first, last)
+    # the reward model, at weight 0, is scored and logged but not summed: the score is the toy reward
+    # minus the EOS penalty of the responses that did not stop (16 per rollout)
+    scored_by_rm = f"rewards/{os.path.basename(os.path.normpath(rm_model))}/mean"
+    for r in log:
+        assert math.isfinite(r[scored_by_rm])
+        assert r["objective/scores"] == pytest.approx(r["rewards/short/mean"] - (1 - r["val/num_eos_tokens"] / 16),
+                                                      abs=1e-5)

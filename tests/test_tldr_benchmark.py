@@ -185,7 +185,7 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     out = tmp_path / "judge" / "tiny.json"
     with FakeJudge(lambda a, b: "A") as judge:
-        proc = run_script("benchmarks/judge_tldr.py", "--model_name_or_path", tiny_model, "--dataset_name", "tiny-tldr",
+        proc = run_script("benchmarks/judge_tldr.py", "--model_name_or_path", tiny_model, "--dataset_name", tiny_tldr.TINY_SFT_DATA,
                           "--num_examples", "6", "--max_new_tokens", "8", "--generation_backend", "hf",
                           "--base_url", judge.url, "--judge_model", "fake-judge", "--num_workers", "3",
                           "--output_file", str(out))
@@ -214,12 +214,12 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
 def test_judge_win_rate_follows_the_judge(tiny_model, tmp_path, monkeypatch, capsys):
     """A judge that prefers the longer summary (ties: A): the win of each prompt is 1 when the
     policy's summary is longer than the reference, 0 when shorter, 0.5 when as long, in both orders."""
-    from benchmarks import judge_tldr
+    from benchmarks import judge_tldr, tiny_tldr
 
     monkeypatch.setenv("OPENAI_API_KEY", "EMPTY")
     with FakeJudge(lambda a, b: "B" if len(b) > len(a) else "A") as judge:
         result = judge_tldr.main(judge_tldr.Args(
-            model_name_or_path=tiny_model, dataset_name="tiny-tldr", num_examples=10, max_new_tokens=12,
+            model_name_or_path=tiny_model, dataset_name=tiny_tldr.TINY_SFT_DATA, num_examples=10, max_new_tokens=12,
             generation_backend="hf", base_url=judge.url, judge_model="fake-judge", num_workers=4,
             output_file=str(tmp_path / "longer.json")))
     examples = result["examples"]
