@@ -8,6 +8,7 @@ The training logprobs are always recomputed by the policy (the engines' numbers 
 sampler's logprobs only feed the optional truncated importance-sampling correction."""
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -54,11 +55,15 @@ def _full_parameters(accelerator, model):
 
 
 @contextlib.contextmanager
-def _keep_hf_classes():
+def _keep_hf_classes(model_type: str):
     """vLLM runs architectures it has no implementation of (Pythia's GPT-NeoX among them) through its
     Transformers backend, which patches `__init__` / `__call__` of the HF model classes in place for
     its compiler; in the same process that breaks the policy, an instance of the same class. Undo
-    the patches once the engine is built (its own instance then runs eagerly)."""
+    the patches once the engine is built (its own instance then runs eagerly). The model's own module
+    is imported first, so that it is restored even when no policy of that class was loaded yet."""
+    with contextlib.suppress(ImportError):
+        name = model_type.replace("-", "_")
+        importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     classes = {cls: {k: cls.__dict__.get(k) for k in ("__init__", "__call__")}
                for name, module in list(sys.modules.items()) if name.startswith("transformers.models.")
                for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
@@ -140,10 +145,11 @@ class VLLMSampler:
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
-        with _keep_hf_classes():
+        config = AutoConfig.from_pretrained(model_path)
+        with _keep_hf_classes(config.model_type):
             self.llm = vllm.LLM(
                 model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=min(max_length, getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_length)),
+                max_model_len=min(max_length, getattr(config, "max_position_embeddings", max_length)),
                 seed=seed, enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs", dtype=dtype,
                 distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
         if enable_sleep_mode:
