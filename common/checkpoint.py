@@ -1,5 +1,5 @@
-"""Saving: the finished model the `from_pretrained` way (an interrupted save never leaves a broken
-one), and resumable checkpoints with the ways a run stops early (signals, non-finite values)."""
+"""The finished model, saved the `from_pretrained` way, and resumable checkpoints with the ways a run
+stops early (signals, non-finite values)."""
 
 import math
 import os
@@ -14,10 +14,8 @@ from common.runtime import UserError
 
 
 def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None = None):
-    """Write model + tokenizer into a temp dir inside `output_dir`, then move each file into place
-    with an atomic rename: a reader (or a crash) sees either the old file or the new one, never a
-    half-written one. Called on every process (a sharded model is gathered collectively). `part`:
-    save only this submodule (PPO's policy). With LoRA, only the adapters are written."""
+    """Model + tokenizer (with LoRA the adapters), written aside and renamed into place, so a crash never
+    leaves a half-written file. On every process (a sharded model is gathered); `part`: one submodule."""
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; all ranks take part
     unwrapped = accelerator.unwrap_model(model)
     if part:
@@ -37,17 +35,11 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
 
 
 class Checkpointer:
-    """Resumable checkpoints, and the ways a run stops early.
-
-    A checkpoint, <output_dir>/checkpoints/step_<n>, holds accelerate's state (model, optimizer, the
-    LR scheduler, every process's python/numpy/torch/CUDA RNG) and the loop's own state (a dict from
-    the script: counters, generators, anything carried between steps), one file per process. It is
-    written into a hidden directory and renamed into place, so `latest` never points at half a
-    checkpoint; the newest --save_total_limit are kept. After each step `end_of_step` saves every
-    --save_steps, and saves and exits after SIGTERM / Ctrl-C (runtime.stop_on_signal) or a
-    non-finite loss or gradient, whose update `finite` has already dropped (in rloo/ppo a step is a
-    rollout: its other, finite mini-batch updates still apply). `resume` returns the run name with the
-    loop state: the caller's Tracker then goes on in the same JSONL."""
+    """<output_dir>/checkpoints/step_<n>: accelerate's state (model, optimizer, scheduler, every process's
+    RNGs) and the loop's state (a dict: counters, anything carried between steps), written aside and
+    renamed into place; the newest --save_total_limit are kept. `end_of_step` saves every --save_steps,
+    and saves and exits after SIGTERM / Ctrl-C or a non-finite loss or gradient, whose update `finite`
+    has dropped (in rloo/ppo a step is a rollout: its finite mini-batch updates still apply)."""
 
     def __init__(self, accelerator, scheduler, *, output_dir: str, run_name: str, resume_from: str | None,
                  save_steps: int, save_total_limit: int, skip_nonfinite_steps: bool):
@@ -55,8 +47,7 @@ class Checkpointer:
         self.save_steps, self.save_total_limit, self.skip_nonfinite_steps = save_steps, save_total_limit, skip_nonfinite_steps
         self.root = os.path.join(output_dir, "checkpoints")
         self.nonfinite = None  # (metric, value) that made this step's update be dropped
-        # DeepSpeed steps its engine inside backward(), before `finite` can drop the update (it skips
-        # an update whose gradients overflow by itself, and `end_of_step` asks it whether it did)
+        # DeepSpeed steps inside backward(), before `finite` can drop the update (it skips overflows itself)
         self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
         self.skipped_backward = False
         if self.engine is not None and skip_nonfinite_steps:
@@ -68,14 +59,12 @@ class Checkpointer:
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
     def saved(self) -> list[str]:
-        """The complete checkpoints (step_<n>; a partial one is hidden), oldest first."""
+        """The complete checkpoints, oldest first."""
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
         return sorted((d for d in names if d.startswith("step_")), key=lambda d: int(d[5:]))
 
     def resume(self) -> dict:
-        """Load --resume_from_checkpoint (a directory, or `latest` in <output_dir>/checkpoints) into
-        the model, optimizer, scheduler and RNGs; return the loop state saved with it (with "step" and
-        "run_name"; {} without)."""
+        """Load --resume_from_checkpoint (a directory, or `latest`); the loop state with "step", "run_name" ({})."""
         path = self.resume_from
         if not path:
             return {}
@@ -96,8 +85,8 @@ class Checkpointer:
         return state
 
     def finite(self, **values) -> bool:
-        """Call after clipping, before optimizer.step(): False when a value (loss, grad_norm, ...) is
-        not finite on any process; the caller then drops the update. Every process decides alike."""
+        """After clipping, before optimizer.step(): False (on every process) when a value (loss, grad_norm,
+        ...) is not finite on some process; the caller then drops the update."""
         values = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in values.items() if v is not None}
         bad = [(k, v) for k, v in values.items() if not math.isfinite(v)]
         flag = self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max")
@@ -107,10 +96,9 @@ class Checkpointer:
         return False
 
     def finite_loss(self, loss) -> bool:
-        """Call before backward: under DeepSpeed, False (every process alike) when this loss, or an
-        earlier one of this step, is not finite on some process; skip backward then (for the rest of
-        the step), so that the engine takes no update, and `end_of_step` saves the untouched weights
-        and stops. Without DeepSpeed always True: `finite` drops the update after backward."""
+        """Before backward: under DeepSpeed, False (every process alike) once a loss of this step is not
+        finite on some process: skip backward for the rest of the step, so the engine takes no update.
+        Without DeepSpeed always True (`finite` drops the update after backward)."""
         if self.engine is None or (self.nonfinite is None and self.finite(loss=loss)):
             return True
         self.skipped_backward = True  # so the engine took no step, whatever it says of its last one
@@ -122,9 +110,8 @@ class Checkpointer:
         tmp = os.path.join(self.root, f".step_{step}.partial")
 
         def in_turn(work):
-            """`work` on the first process of each machine, machine after machine: without a shared file
-            system each machine makes and publishes its own directory; with one, the later machines find
-            it done. One turn per rank, as accelerate does not say which ranks share a machine."""
+            """`work` on each machine's first process, machine after machine (one turn per rank: accelerate
+            does not say which ranks share a machine): with a shared file system the later ones find it done."""
             for rank in range(acc.num_processes):
                 if rank == acc.process_index and acc.is_local_main_process:
                     work()

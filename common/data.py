@@ -1,7 +1,5 @@
-"""Datasets in the trl-lib formats: loading, validation, chat templates, prompt/completion tokens.
-
-Accepted formats (each either *standard*, fields are strings, or *conversational*, fields are
-lists of {"role", "content"} messages rendered with the tokenizer's chat template):
+"""Datasets in TRL's formats: loading, validation, chat templates, prompt/completion tokens. Each format
+is *standard* (strings) or *conversational* (lists of {"role", "content"} messages, chat template):
   prompt-completion  prompt, completion              (SFT; e.g. trl-lib/tldr)
   messages           messages                        (SFT; every assistant turn is learnt)
   language modelling text                            (SFT; every token is learnt)
@@ -21,8 +19,8 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 
 
 def load_split(name: str, split: str) -> Dataset:
-    """One split of a hub dataset, a local dataset directory (`save_to_disk` output or a folder of
-    data files named by split) or a single local .json/.jsonl/.parquet/.csv file (split "train")."""
+    """A split of a hub dataset, a local dataset folder (`save_to_disk`, or data files named by split)
+    or one .json/.jsonl/.parquet/.csv file (split "train")."""
     check_built(name)
     try:
         if os.path.isfile(name):
@@ -39,8 +37,7 @@ def load_split(name: str, split: str) -> Dataset:
         raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types
         first_line = (str(e).splitlines() or [""])[0]
-        # how `datasets` reports empty data files: "... corresponds to no data", or (json files
-        # only, all of them empty) a bare StopIteration
+        # how `datasets` reports empty data files: "... corresponds to no data", or (all json) StopIteration
         if "corresponds to no data" in first_line or isinstance(e, StopIteration):
             raise UserError(f"dataset '{name}' has an empty split ({first_line or 'its data files hold no rows'}); "
                             "add rows, or choose another split with the *_split flags") from None
@@ -59,8 +56,7 @@ def load_split(name: str, split: str) -> Dataset:
 
 
 def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -> str:
-    """Name of the first format whose columns the dataset has (their text checked by
-    `check_text_fields`); else one error listing them all."""
+    """The first format whose columns the dataset has (their text checked); else one error listing all."""
     for fmt, columns in formats.items():
         if all(c in dataset.column_names for c in columns):
             check_text_fields(dataset, [c for c in columns if c != "label"], where)
@@ -72,8 +68,7 @@ def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -
 
 
 def check_prompts_fill_a_batch(num_prompts: int, batch_prompts: int, how: str):
-    """The online scripts draw whole batches of distinct prompts: with fewer prompts than one batch
-    they would wait for a batch forever."""
+    """The online scripts draw whole batches of distinct prompts: fewer than a batch would never fill one."""
     if num_prompts < batch_prompts:
         raise UserError(f"{num_prompts} prompts make no full batch of {batch_prompts} prompts ({how}); add prompts, "
                         "or lower those flags")
@@ -89,10 +84,9 @@ def _is_messages(value) -> bool:
 
 
 def check_text_fields(dataset: Dataset, columns: list[str], where: str):
-    """Every value of these columns is a string, or every one a list of {"role", "content"} messages
-    (`messages` always); else one error naming the first bad column, row and type. Without this a
-    null or a number fails deep inside the tokenizer, and a list of strings is silently tokenized
-    as a batch."""
+    """Every value a string, or every one a list of {"role", "content"} messages (`messages` always); else
+    one error naming the column, row and type (a null fails deep in the tokenizer, a list of strings is
+    silently tokenized as a batch)."""
     kinds = {}
     for column in columns:
         values = dataset.with_format("arrow")[column].to_pylist()  # iterating dataset[column] is ~25x slower
@@ -117,8 +111,7 @@ def _check_chat_template(tokenizer):
 
 
 def prompt_text(tokenizer, prompt) -> str:
-    """The prompt as text: a string as is, or messages through the chat template, ready for the
-    assistant's turn."""
+    """A string as is, or messages through the chat template, ready for the assistant's turn."""
     if not is_conversational(prompt):
         return prompt
     _check_chat_template(tokenizer)
@@ -143,10 +136,9 @@ NO_SHARED_START = "without a prompt column, chosen and rejected share no start t
 
 def split_implicit_prompt(chosen, rejected):
     """(prompt, chosen, rejected) of a preference row without a prompt column: the start both share.
-    Messages (e.g. trl-lib/ultrafeedback_binarized): the leading messages both have, at least one
-    message left to each. Strings (e.g. Anthropic/hh-rlhf, "\n\nHuman: ...\n\nAssistant: ..."): the
-    shared text, cut back to a whitespace so that each completion starts at a word (words both
-    completions open with stay in the prompt). The prompt is empty when nothing is shared."""
+    Messages (trl-lib/ultrafeedback_binarized): the leading messages both have, one left to each at least.
+    Strings (Anthropic/hh-rlhf): the shared text cut back to a whitespace, so each completion starts at a
+    word (words both open with stay in the prompt). Empty when nothing is shared."""
     if is_conversational(chosen):
         n = 0
         while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
@@ -161,14 +153,12 @@ def split_implicit_prompt(chosen, rejected):
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Prompt ids. Special tokens (e.g. BOS) are added for plain text only: a chat template already
-    writes them, and adding them again doubles the BOS."""
+    """Prompt ids; special tokens (BOS) added for plain text only: a chat template writes its own."""
     return tokenizer(prompt_text(tokenizer, prompt),
                      add_special_tokens=not is_conversational(prompt)).input_ids
 
 
 def encode_completion(tokenizer, prompt, completion) -> list[int]:
-    """Completion ids ending in exactly one EOS, and never a BOS (which a second call to the
-    tokenizer would add for Llama-style tokenizers)."""
+    """Completion ids ending in exactly one EOS, and no BOS (which Llama-style tokenizers would add)."""
     ids = tokenizer(completion_text(tokenizer, prompt, completion), add_special_tokens=False).input_ids
     return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]

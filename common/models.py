@@ -20,9 +20,8 @@ def _from_pretrained(cls, name_or_path: str, **kwargs):
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer as shipped, left-padding for generation. Without a pad token, EOS pads (as in
-    TRL): every mask in these scripts comes from sequence lengths and from each completion's first
-    EOS, never from `ids == pad_token_id`, so pad == eos is safe and the EOS stays in every loss."""
+    """The tokenizer as shipped, padding on the left; without a pad token EOS pads (as in TRL): every mask
+    here comes from lengths and each completion's first EOS, never from `ids == pad_token_id`."""
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
     if tokenizer.eos_token_id is None:
         raise UserError(f"tokenizer of '{name_or_path}' has no eos_token; set one and save it")
@@ -32,23 +31,23 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def record_pad_id(model, tokenizer):
-    """Record the tokenizer's pad id in the model's config and generation config."""
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+def _load_model(cls, name_or_path: str, tokenizer, dtype: str, **kwargs):
+    """The model in `dtype` (auto: the checkpoint's), the tokenizer's pad id in its (generation) config."""
+    model = _from_pretrained(cls, name_or_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs)
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is not None:
+            config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
 def load_policy(name_or_path: str, tokenizer, dtype: str = "auto"):
     """A causal LM (the policy, or a frozen reference when put in eval mode by the caller)."""
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_dtype(dtype))
-    return record_pad_id(model, tokenizer)
+    return _load_model(AutoModelForCausalLM, name_or_path, tokenizer, dtype)
 
 
 def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_head: bool = False):
-    """A sequence classifier with exactly one label: its logit is the scalar reward. A causal LM is
-    refused unless new_head (reward training): it would get a freshly initialised, random score head."""
+    """A one-label sequence classifier (its logit is the reward). A causal LM only with new_head (reward
+    training): its score head would be random."""
     config = _from_pretrained(AutoConfig, name_or_path)
     classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if classifier and config.num_labels != 1:
@@ -59,13 +58,11 @@ def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_hea
         raise UserError(f"'{name_or_path}' is not a reward model ({', '.join(config.architectures or ['no architecture'])}, "
                         "not a sequence classifier): its score head would be random; train one with reward.py, "
                         "or pass a reward function with --reward_funcs")
-    model = _from_pretrained(AutoModelForSequenceClassification, name_or_path, num_labels=1, dtype=_dtype(dtype))
-    return record_pad_id(model, tokenizer)
+    return _load_model(AutoModelForSequenceClassification, name_or_path, tokenizer, dtype, num_labels=1)
 
 
 def hint_learning_rate(accelerator, model, learning_rate: float, default: float):
-    """One line when a real model meets the tiny task's default learning rate: the defaults are tuned
-    for its ~1M-parameter model, and real models want rates 10-1000x smaller (README, "Real models")."""
+    """One line when a real model meets the tiny task's default rate (real models want 10-1000x smaller)."""
     if learning_rate == default and model.num_parameters() > 10_000_000:
         accelerator.print(f"hint: --learning_rate {default} is the tiny task's default; for a model of "
                           f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\" for learning rates")
@@ -73,8 +70,8 @@ def hint_learning_rate(accelerator, model, learning_rate: float, default: float)
 
 def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = None, no_dropout: bool = False,
           task_type: str = "CAUSAL_LM"):
-    """Turn on gradient checkpointing, wrap the model with LoRA adapters (lora: LoraConfig's r, lora_alpha,
-    lora_dropout, target_modules) and turn dropout off, as asked."""
+    """Gradient checkpointing, LoRA adapters (lora: LoraConfig's r, lora_alpha, lora_dropout,
+    target_modules) and no dropout, as asked."""
     if gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and DDP
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
@@ -91,10 +88,9 @@ def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = No
 
 
 def disable_dropout(model):
-    """Dropout rate 0 in every module, whatever its mode. New LoRA layers start in train mode (and the
-    offline scripts turn it on for the whole model): with dropout, the old logprobs, the reference
-    (LoRA: adapters off) and PPO's values would each come from another random network, and the
-    ratio of the first update would not be 1."""
+    """Dropout rate 0 in every module, whatever its mode (new LoRA layers start in train mode): else the
+    old logprobs, the reference and PPO's values would each come from another random network, and the
+    first update's ratio would not be 1."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -122,11 +118,9 @@ _frozen_engines = []  # DeepSpeed engines of frozen models, kept alive for their
 
 
 def prepare_frozen(accelerator, model):
-    """A model that is only evaluated (reference, reward model): eval mode, no gradients, on the
-    device. Without DeepSpeed it runs under the policy's autocast (--bf16), else a reference computing
-    in fp32 would differ from an identical policy computing in bf16 (a KL > 0 at step 1). Under
-    DeepSpeed it goes through an inference-only engine in the training dtype; under ZeRO-3 that
-    engine shards it (it is loaded from disk, never deep-copied from a sharded module)."""
+    """An evaluated-only model (reference, reward model): eval mode, no gradients, on the device, under the
+    policy's autocast (else an fp32 reference of a bf16 policy gives KL > 0 at step 1). Under DeepSpeed:
+    an inference engine in the training dtype, which shards it under ZeRO-3 (loaded from disk, not copied)."""
     model.eval().requires_grad_(False)
     stage = deepspeed_stage(accelerator)
     if stage is None:
@@ -142,6 +136,3 @@ def prepare_frozen(accelerator, model):
     _frozen_engines.append(engine)
     return engine.module.eval()
 
-
-def _dtype(name: str):
-    return name if name == "auto" else getattr(torch, name)

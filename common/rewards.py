@@ -1,13 +1,6 @@
-"""Rewards for the online scripts: reward models and Python reward functions, weighted and summed.
-
-A reward model is a sequence classifier with one output and its own tokenizer: prompt + completion
-are re-tokenized for it (ending in EOS, as in reward training) and left-truncated to its length.
-A reward function is named `module:function` and called by keyword, as TRL does:
-`f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`, where
-`columns` holds the dataset's other columns for these rows; None (or NaN) means "does not apply"
-and is left out of the sum; a completion no source scores gets NaN (see `compute_rewards`).
-A reward of weight 0 is computed and logged but left out of the sum (e.g. an oracle to watch).
-"""
+"""Rewards for the online scripts: reward models (one-output classifiers, each with its tokenizer:
+prompt + completion re-tokenized, ending in EOS, left-truncated) and reward functions `module:function`
+called as TRL does, weighted and summed; weight 0: logged, not summed (an oracle to watch)."""
 
 import importlib
 import math
@@ -56,14 +49,11 @@ def import_function(spec: str, what: str = "reward function"):
 
 
 def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
-    """A one-output classifier's score of each LEFT-padded row, read at its last real token, [B].
-
-    HF's classifiers read the last token that is not `pad_token_id`: with pad == eos that is the
-    token before the completion's EOS, not the EOS. Shown a pad id that never occurs, they read the
-    last position instead, which left padding makes every row's last real token; positions count
-    real tokens only, so a row scores as it would unpadded (padding may also sit between a
-    left-padded prompt block and the completion block). prefix: the width of such a prompt block;
-    rows holding the same one (a pair's chosen and rejected) run it once (`shared_prefix_cache`)."""
+    """A one-output classifier's score of each LEFT-padded row at its last token, [B]. HF reads the last
+    token that is not `pad_token_id`: with pad == eos, the one before the EOS. Shown a pad id that never
+    occurs, it reads the last position, which left padding makes the last real token; positions count
+    real tokens, so a row scores as unpadded (padding may also sit between a left-padded prompt block
+    and the completion block). prefix: that block's width; rows sharing it run it once."""
     config = getattr(model, "module", model).config  # under DDP / DeepSpeed: the wrapped model's
     pad_id, config.pad_token_id = config.pad_token_id, -1
     try:
@@ -98,13 +88,10 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
 
 def compute_rewards(sources, weights, prompts: list, completions: list, columns: dict,
                     completion_ids: list[list[int]] | None = None):
-    """(weighted sum per completion [N], {name: [N] with nan where a source gave None or NaN}).
-
-    Reward functions are called by keyword, as TRL calls them: `f(prompts=..., completions=...,
-    completion_ids=..., **columns)`, so `def f(completions, **kwargs)` works as well as
-    `def f(prompts, completions, **kw)`. A source that returns None (or NaN) for a completion is
-    left out of its sum; a completion that no source scores is *unscorable*, and its sum is NaN
-    (not 0): the scripts give it no gradient instead of a made-up reward. inf is an error."""
+    """(weighted sum per completion [N], {name: [N], NaN where a source gave None or NaN}). Functions are
+    called by keyword as TRL does, `f(prompts=, completions=, completion_ids=, **columns)` (the dataset's
+    other columns). None / NaN: left out of the sum; a completion no source scores sums to NaN, not 0
+    (the scripts give it no gradient rather than a made-up reward). inf is an error."""
     per_source = {}
     for name, fn, tokenizer in sources:
         if tokenizer is not None:

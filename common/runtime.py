@@ -1,4 +1,4 @@
-"""Process setup: accelerator, per-rank seeds, batch-size arithmetic, and one-line user errors."""
+"""Process setup: accelerator, seeds, checks of the flags, one-line user errors, stop signals."""
 
 import contextlib
 import os
@@ -12,8 +12,7 @@ from tqdm.auto import tqdm
 
 
 class UserError(Exception):
-    """Something the user can fix (a flag, a path, a dataset column). Printed as one line, no
-    traceback, exit status 2."""
+    """Something the user can fix (a flag, a path, a column): one line, no traceback, exit status 2."""
 
 
 @contextlib.contextmanager
@@ -29,7 +28,7 @@ def exit_on_user_error():
 
 
 def check_built(path: str):
-    """The scripts' defaults are the tiny task's folders (tiny_tldr/...), which a benchmark writes."""
+    """The defaults name the tiny task's folders (tiny_tldr/...), which a benchmark writes."""
     if path.startswith("tiny_tldr/") and not os.path.exists(path):
         raise UserError(f"'{path}' does not exist; build the tiny task first (from the project root): "
                         "python benchmarks/tiny_tldr.py")
@@ -44,10 +43,9 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
 
 
 def check_positive(flags: dict):
-    """flags: the script's flag values by name (`vars(args)`); the sizes, counts and rates among them."""
+    """flags: the script's flag values by name (`vars(args)`)."""
     for name in POSITIVE:
-        value = flags.get(name)
-        if value is not None and value <= 0:
+        if (value := flags.get(name)) is not None and value <= 0:
             why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
             raise UserError(f"--{name} must be > 0 (got {value}){why}")
@@ -58,8 +56,7 @@ stop_signal: int | None = None  # set by SIGTERM / Ctrl-C under `stop_on_signal`
 
 @contextlib.contextmanager
 def stop_on_signal():
-    """SIGTERM or Ctrl-C asks the training loop to finish its current step, save a checkpoint and
-    exit (common/checkpoint.py); a second one stops at once."""
+    """SIGTERM or Ctrl-C: finish the step, save a checkpoint, exit (common/checkpoint.py); twice: stop now."""
     def ask_to_stop(signum, frame):
         global stop_signal
         if stop_signal is not None:
@@ -78,19 +75,17 @@ def stop_on_signal():
 
 def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch_size: int, max_grad_norm: float,
           bf16: bool = False) -> Accelerator:
-    """Accelerator with gradient accumulation (and bf16 mixed precision), and the same seed on every rank
-    (new weights, such as a fresh score head, start alike everywhere; sampling is seeded per completion).
-    Under DeepSpeed it also sets the batch size and clipping norm the engine would otherwise expect from
-    a prepared DataLoader or its config."""
-    # DeepSpeed without CUDA (trying ZeRO on a CPU, as the tests do): accelerate leaves the backend unset
-    # there, and every process then believes it is alone; gloo makes it a real multi-process run
+    """Accelerator with gradient accumulation (and bf16), the same seed on every rank (a new score head
+    starts alike everywhere; sampling is seeded per completion), and under DeepSpeed the batch size and
+    clipping norm the engine would otherwise read from a prepared DataLoader or its config."""
+    # DeepSpeed without CUDA (ZeRO on a CPU, as the tests do): accelerate leaves the backend unset, and
+    # every process would believe it is alone
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
                               mixed_precision="bf16" if bf16 else None,
                               kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
     set_seed(seed)
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:
+    if (plugin := accelerator.state.deepspeed_plugin) is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
         plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -98,15 +93,13 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
 
 
 def check_output_dir(d: str, overwrite: bool, resume: str | None):
-    """A finished model (or another run's checkpoints) in output_dir `d` is never overwritten by
-    accident: starting over needs --overwrite_output_dir, continuing needs --resume_from_checkpoint."""
+    """Never overwrite a finished model or another run's checkpoints in output_dir `d` by accident."""
     finished = any(os.path.exists(os.path.join(d, f)) for f in ("config.json", "adapter_config.json"))
-    checkpoints = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
-    if overwrite or not (finished or checkpoints):
+    if overwrite or resume and not finished:
         return
     if finished:
         raise UserError(f"output_dir '{d}' already holds a finished model; pass --overwrite_output_dir to replace "
                         "it (it is replaced only when the new run finishes) or choose another --output_dir")
-    if not resume:
+    if os.path.isdir(os.path.join(d, "checkpoints")) and os.listdir(os.path.join(d, "checkpoints")):
         raise UserError(f"output_dir '{d}' holds checkpoints of an unfinished run; continue it with "
                         "--resume_from_checkpoint latest, or start over with --overwrite_output_dir")

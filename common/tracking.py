@@ -1,5 +1,5 @@
-"""Metrics to stdout, to a JSONL file in the output dir (always) and to wandb (`--track`), plus a
-progress bar and tables of sample completions. Everything happens on the main process only."""
+"""Metrics to stdout, to <output_dir>/logs/<run_name>.jsonl and to wandb (`--track`), a progress bar and
+tables of sample completions, all on the main process."""
 
 import json
 import os
@@ -9,16 +9,14 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-# the JSONL fields that read the wall clock; everything else a run logs is the same for the same seed
-# and command on a CPU (tests/test_resume.py checks it)
+# the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
 TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
 
 
 class Tracker:
     def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
                  total_steps: int, start_step: int = 0, wandb_project: str | None = None, wandb_entity: str | None = None):
-        """config: the run's flags (saved beside the log); wandb_project: log to wandb too; start_step > 0:
-        a resumed run, whose log goes on in the same file from that step."""
+        """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
         self.main = accelerator.is_main_process
         self.every = max(1, logging_steps)
         self.start = time.time()
@@ -26,7 +24,6 @@ class Tracker:
         self.wandb = None
         if not self.main:
             return
-        # one file per run: a new run never overwrites the logs of an earlier one
         self.path = os.path.join(output_dir, "logs", f"{run_name}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if start_step and os.path.exists(self.path):  # drop what was logged after the checkpoint: it is redone
@@ -38,7 +35,6 @@ class Tracker:
             json.dump(config, f, indent=1)
         if wandb_project:
             import wandb
-
             self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config,
                                     dir=output_dir, id=re.sub(r"[^\w.-]", "_", run_name), resume="allow")
 
@@ -65,7 +61,6 @@ class Tracker:
                 self.bar.write(f"[{i}] {key:>10}: {text[-300:] if key == 'prompt' else text}")
         if self.wandb is not None:
             import wandb
-
             self.wandb.log({title: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
                            step=step)
 
@@ -79,7 +74,6 @@ class Tracker:
 
 
 def reduce_stats(accelerator, stats: dict, divide_by: float = 1, reduction: str = "mean") -> dict:
-    """{name: value on this process} -> {name: its mean (or sum) over processes / divide_by} as floats,
-    with one collective for them all (e.g. sums over micro-batches -> the step's means)."""
+    """{name: value here} -> {name: its mean (or sum) over processes / divide_by}, in one collective."""
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in stats.values()])
     return dict(zip(stats, (accelerator.reduce(values, reduction) / divide_by).tolist()))

@@ -1,11 +1,10 @@
 """Sampling with vLLM for the online scripts (`--use_vllm`; vLLM is imported only then).
 
-colocate: an in-process `vllm.LLM` per training GPU; the policy's weights are pushed into it one
-    parameter at a time (each gathered alone under ZeRO-3) with vLLM's in-place `reload_weights`.
-server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'`
-    on other GPUs; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine.
-The training logprobs are always recomputed by the policy (the engines' numbers differ); the
-sampler's logprobs only feed the optional truncated importance-sampling correction."""
+colocate: a `vllm.LLM` inside each training process; the policy's weights go in one parameter at a time
+    (each gathered alone under ZeRO-3) through vLLM's in-place `reload_weights`.
+server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'` on other
+    GPUs; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine.
+The policy always recomputes the training logprobs; the sampler's only feed the mismatch correction."""
 
 import contextlib
 import importlib
@@ -35,10 +34,9 @@ def _hf_parameters(model):
 
 
 def _full_parameters(accelerator, model):
-    """(HF name, full tensor) of the policy, one parameter at a time: gathered alone under ZeRO-3.
-    With LoRA an adapted weight goes out as base + the adapters' delta, computed aside: merging into
-    the base weight and back does not restore a bf16 weight exactly, so the base (also the KL
-    reference) would drift with every push."""
+    """(HF name, full tensor), one at a time (gathered alone under ZeRO-3). A LoRA layer's weight goes out
+    as base + the adapters' delta, computed aside: merging into a bf16 base and back would not restore it
+    exactly, and the base (also the KL reference) would drift with every push."""
     unwrapped = accelerator.unwrap_model(model)
     lora = {id(m.get_base_layer().weight): m for m in unwrapped.modules() if hasattr(m, "lora_A")}
     for name, param in _hf_parameters(unwrapped):
@@ -56,11 +54,10 @@ def _full_parameters(accelerator, model):
 
 @contextlib.contextmanager
 def _keep_hf_classes(model_type: str):
-    """vLLM runs architectures it has no implementation of (Pythia's GPT-NeoX among them) through its
-    Transformers backend, which patches `__init__` / `__call__` of the HF model classes in place for
-    its compiler; in the same process that breaks the policy, an instance of the same class. Undo
-    the patches once the engine is built (its own instance then runs eagerly). The model's own module
-    is imported first, so that it is restored even when no policy of that class was loaded yet."""
+    """vLLM runs architectures it does not implement (Pythia's GPT-NeoX) through its Transformers backend,
+    which patches `__init__` / `__call__` of the HF model classes in place; in this process that breaks
+    the policy, an instance of the same class. Undo the patches once the engine is built. The model's
+    own module is imported first, so it is restored even when no policy of its class was loaded yet."""
     with contextlib.suppress(ImportError):
         name = model_type.replace("-", "_")
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -76,27 +73,28 @@ def _keep_hf_classes(model_type: str):
                     setattr(cls, key, value) if value is not None else delattr(cls, key)
 
 
+def _get(url: str, timeout: float = 30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
 def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
     """(URL, number of its workers) of the vLLM server, waiting up to `timeout` seconds for it."""
-    url = f"http://{host}:{port}"
-    deadline = time.time() + timeout
+    url, deadline = f"http://{host}:{port}", time.time() + timeout
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/get_world_size", timeout=5) as r:
-                return url, json.load(r)["world_size"]
+            return url, _get(f"{url}/get_world_size", timeout=5)["world_size"]
         except OSError:
             if time.time() > deadline:
-                raise UserError(
-                    f"no vLLM server answered at {url} within {timeout:.0f} s; start one with "
-                    "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
-                    "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
+                raise UserError(f"no vLLM server answered at {url} within {timeout:.0f} s; start one with "
+                                "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
+                                "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
             time.sleep(1)
 
 
 class VLLMSampler:
-    """Samples completions for token-id prompts (seed per completion) and takes new weights. The
-    options are the scripts' --vllm_* flags: mode (colocate / server); colocate: gpu_memory_utilization,
-    enable_sleep_mode; server: server_host, server_port, server_timeout, group_port."""
+    """Samples completions for token-id prompts (a seed per completion) and takes new weights. The options
+    are the scripts' --vllm_* flags."""
 
     @staticmethod
     def check(accelerator, *, use_peft: bool, mode: str, server_host: str, server_port: int, server_timeout: float,
@@ -118,13 +116,14 @@ class VLLMSampler:
                  server_timeout: float, group_port: int):
         self.accelerator, self.mode, self.enable_sleep_mode = accelerator, mode, enable_sleep_mode
         self.vllm = vllm = self.check(accelerator, use_peft=use_peft, mode=mode, server_host=server_host,
-                                           server_port=server_port, server_timeout=server_timeout)
+                                      server_port=server_port, server_timeout=server_timeout)
+        config = AutoConfig.from_pretrained(model_path)
         try:  # where HF and vLLM read the model's EOS ids: generation_config.json, else config.json
             self.generation_config = GenerationConfig.from_pretrained(model_path)
         except OSError:
-            self.generation_config = AutoConfig.from_pretrained(model_path)
+            self.generation_config = config
         if mode == "server":
-            self.url, self.server_world_size = wait_for_server(server_host, server_port, server_timeout)
+            self.url, world_size = wait_for_server(server_host, server_port, server_timeout)
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
@@ -137,15 +136,14 @@ class VLLMSampler:
                 def __iter__(self):
                     return _full_parameters(accelerator, self._module)
 
-            # called on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
+            # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
             info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=server_host,
-                                       master_port=group_port, world_size=1 + self.server_world_size)
+                                       master_port=group_port, world_size=1 + world_size)
             self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
-        config = AutoConfig.from_pretrained(model_path)
         with _keep_hf_classes(config.model_type):
             self.llm = vllm.LLM(
                 model=model_path, gpu_memory_utilization=gpu_memory_utilization,
@@ -161,19 +159,16 @@ class VLLMSampler:
         """Load the policy's current weights into the engine; returns the seconds it took."""
         start = time.time()
         if self.mode == "server":
-            if self.sender is None:
-                self.sender = self.transfer(model)  # NCCL rendezvous with the server's workers, once
-            self.sender.send_weights()  # every rank iterates (gathers); trainer rank 0 alone is in the group and sends
-            # no rank may sample before the server holds all the new weights: the other ranks finish first
-            # (nothing to send), and the server goes on sampling during an update
-            self.accelerator.wait_for_everyone()
+            self.sender = self.sender or self.transfer(model)  # NCCL rendezvous with the server's workers, once
+            self.sender.send_weights()  # every rank iterates (gathers); trainer rank 0 alone sends
+            self.accelerator.wait_for_everyone()  # no rank samples before the server holds every new weight
         else:
             if self.weights_asleep:  # the weights alone: the KV cache stays released while they load
                 self.llm.wake_up(tags=["weights"])
                 self.weights_asleep = False
-            weights = _full_parameters(self.accelerator, model)
             # vLLM's in-place reload: checkpoint-format weights, re-processed layer by layer into kernel layouts
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": _full_parameters(self.accelerator, model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
         return time.time() - start
 
@@ -185,6 +180,8 @@ class VLLMSampler:
         params = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k or -1,
                       min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0, stop_token_ids=stop_ids)
         if self.mode == "server":
+            self.model_name = getattr(self, "model_name", None) or _get(f"{self.url}/v1/models")["data"][0]["id"]
+
             def one(prompt, seed):
                 body = json.dumps({"model": self.model_name, "prompt": prompt, "seed": seed, "return_token_ids": True,
                                    **params}).encode()
@@ -192,9 +189,6 @@ class VLLMSampler:
                 with urllib.request.urlopen(request, timeout=600) as r:
                     choice = json.load(r)["choices"][0]
                 return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-            if not hasattr(self, "model_name"):
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as r:
-                    self.model_name = json.load(r)["data"][0]["id"]
             with ThreadPoolExecutor(32) as pool:
                 results = list(pool.map(one, prompts, seeds))
         else:
@@ -214,4 +208,3 @@ class VLLMSampler:
         completion_ids, completion_mask, finished = truncate_at_stop(ids, stop_ids, tokenizer.pad_token_id)
         return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
                 finished.to(device), logps.to(device) * completion_mask.to(device))
-
