@@ -76,8 +76,16 @@ def launched(monkeypatch, command, args_class, flags):
             return 0
 
     monkeypatch.setattr(run_tiny_tldr.subprocess, "Popen", Finished)
-    monkeypatch.setattr(run_tiny_tldr.time, "sleep", lambda seconds: None)
-    monkeypatch.setattr(command, "report", lambda *a, **k: (_ for _ in ()).throw(Launched()))
+    waits = itertools.count()
+
+    def sleep(seconds):  # the scheduler's wait; a stage whose inputs never come would wait forever
+        assert next(waits) < 10_000, f"stages never started: {len(started)} of them did"
+
+    def report(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(run_tiny_tldr.time, "sleep", sleep)
+    monkeypatch.setattr(command, "report", report)
     with pytest.raises(Launched):
         command.main(tyro.cli(args_class, args=flags))
     return started
@@ -111,7 +119,8 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
     assert all(env["OMP_NUM_THREADS"] == "1" for _, env in main_chain)
     for (main_cmd, main_env), (study_cmd, study_env) in zip(main_chain, study_chain, strict=True):
         assert study_cmd == main_cmd
-        assert study_env == main_env
+        assert study_env == main_env, {k: (main_env.get(k), study_env.get(k)) for k in {*main_env, *study_env}
+                                       if main_env.get(k) != study_env.get(k)}
 
 
 @pytest.mark.slow
