@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import tyro
 
 from benchmarks import plots, tiny_tldr
-from benchmarks.run_tiny_tldr import (POLICIES, ROOT, SAMPLES_PER_STEP, STAGES, Args, chain_stages, evaluate_stage,
-                                      read_eval, read_log, report, run_stages, stage_argv)
+from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, ROOT, SAMPLES_PER_STEP, STAGES, Args, chain_stages,
+                                      evaluate_stage, fifths, read_eval, read_log, report, run_stages, stage_argv)
 
 METHODS = POLICIES[1:]
 # each method's KL strength: the flag, read from the script's own default
@@ -210,10 +210,7 @@ def main(args: StudyArgs):
               f"and on the full reward model ({numbers[fs]['reward']['accuracy']:.1%}). Means over each fifth of the "
               "steps of the samples' scores:", "", "| run | RM score | gold score |", "|---|---|---|"]
     for name, records in overopt.items():
-        fifth = lambda key: " -> ".join(  # noqa: E731
-            f"{statistics.mean(r[key] for r in records[i * len(records) // 5:max(i * len(records) // 5 + 1, (i + 1) * len(records) // 5)]):.2f}"
-            for i in range(5))
-        lines.append(f"| {name} | {fifth('reward')} | {fifth('rewards/gold_reward/mean')} |")
+        lines.append(f"| {name} | {fifths([records], 'reward')} | {fifths([records], GOLD_KEY)} |")
     plots.overoptimisation(overopt, "reward", figure("overoptimisation"))
     lines += ["", f"Figures: `{os.path.basename(figure('frontier'))}`, `{os.path.basename(figure('overoptimisation'))}`.",
               "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each)."]
@@ -222,7 +219,7 @@ def main(args: StudyArgs):
     print("\n".join(lines))
     with open(os.path.splitext(args.results)[0] + ".json", "w") as f:
         json.dump({"seeds": numbers, "half": half, "frontier": frontier, "seconds": total,
-                   "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r["rewards/gold_reward/mean"]}
+                   "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r[GOLD_KEY]}
                                    for r in v] for k, v in overopt.items()}}, f, indent=1, default=str)
 
 

@@ -5,12 +5,15 @@ import glob
 import itertools
 import json
 import math
+import os
 import re
 import statistics
 
 import pytest
 import torch
+import tyro
 
+from benchmarks import run_tiny_tldr, study_tiny_tldr
 from benchmarks.tiny_tldr_eval import sequence_kl
 from tests.conftest import FixedLogits, run_script
 from tests.test_sft import read_log
@@ -52,6 +55,72 @@ def test_sequence_kl_mean_over_samples_estimates_the_exact_kl():
                      completion_ids, torch.ones_like(completion_ids), batch_size=5000)
     assert abs(kl.mean().item() - exact) < 4 * kl.std().item() / math.sqrt(n)
     assert exact > 0.1  # the two tables differ enough for the check to mean something
+
+
+class Launched(Exception):
+    """Raised in place of the report, once every stage has been started."""
+
+
+def launched(monkeypatch, command, args_class, flags):
+    """(command line, environment) of every stage that `command`'s main() starts, in the order it starts
+    them; each stage "finishes" at once and nothing is trained."""
+    started = []
+
+    class Finished:  # stands in for subprocess.Popen: a stage that is already done
+        returncode = 0
+
+        def __init__(self, cmd, stdout=None, stderr=None, env=None):
+            started.append((cmd, env))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(run_tiny_tldr.subprocess, "Popen", Finished)
+    waits = itertools.count()
+
+    def sleep(seconds):  # the scheduler's wait; a stage whose inputs never come would wait forever
+        assert next(waits) < 10_000, f"stages never started: {len(started)} of them did"
+
+    def report(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(run_tiny_tldr.time, "sleep", sleep)
+    monkeypatch.setattr(command, "report", report)
+    with pytest.raises(Launched):
+        command.main(tyro.cli(args_class, args=flags))
+    return started
+
+
+def chain(started, run_dir):
+    """The stages that write into `run_dir` (one seed's chain and its evaluations), with `run_dir` and the
+    run names' time stamp replaced by placeholders (the only parts that may differ between commands)."""
+    runs = []
+    for cmd, env in started:
+        written = cmd[cmd.index("--output_dir" if "--output_dir" in cmd else "--out") + 1]
+        if not os.path.relpath(written, run_dir).startswith(".."):
+            runs.append(([re.sub(r"__\d{9,}$", "__<stamp>", a.replace(run_dir, "<run_dir>")) for a in cmd], env))
+    return runs
+
+
+@pytest.mark.parametrize("quick", [[], ["--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8"]],
+                         ids=["full", "quick"])
+def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypatch):
+    # issue 27: the study's seed-1 chain must give the main job's numbers, so each of its stages must get
+    # the main job's script, arguments (but the output paths), place in the order and environment (the
+    # torch threads); both commands at their defaults, full budget and quick mode, nothing trained
+    main = launched(monkeypatch, run_tiny_tldr, run_tiny_tldr.Args,
+                    ["--output_dir", str(tmp_path / "main"), "--results", str(tmp_path / "main.md"), *quick])
+    study = launched(monkeypatch, study_tiny_tldr, study_tiny_tldr.StudyArgs,
+                     ["--output_dir", str(tmp_path / "study"), "--results", str(tmp_path / "study.md"), *quick])
+    main_chain, study_chain = chain(main, str(tmp_path / "main")), chain(study, str(tmp_path / "study" / "seed_1"))
+    assert len(main_chain) == len(main) == 15  # 8 training stages and 7 evaluations
+    assert {os.path.relpath(cmd[1], run_tiny_tldr.ROOT) for cmd, _ in main_chain} == {
+        *(f"algos/{name}.py" for name in run_tiny_tldr.STAGES), "benchmarks/tiny_tldr_eval.py"}
+    assert all(env["OMP_NUM_THREADS"] == "1" for _, env in main_chain)
+    for (main_cmd, main_env), (study_cmd, study_env) in zip(main_chain, study_chain, strict=True):
+        assert study_cmd == main_cmd
+        assert study_env == main_env, {k: (main_env.get(k), study_env.get(k)) for k in {*main_env, *study_env}
+                                       if main_env.get(k) != study_env.get(k)}
 
 
 @pytest.mark.slow
