@@ -5,6 +5,8 @@ the reward relative to the group as the advantage of every token:
 
     A_i = (r_i - mean(r_group)) / std(r_group)                        (--scale_rewards group)
     loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
+    cispo: -sg(min(ratio_t, 1 + eps_high)) * A_i * log pi(o_t) replaces -min(...)           (MiniMax-M1, 2025)
+    sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_i, tau = tau_pos if A_i > 0 else tau_neg   (Gao et al. 2025)
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
 A completion no reward source scores (reward None / NaN) is left out of its group's mean and std,
@@ -14,14 +16,8 @@ Variants: clip-higher eps_high and token-level normalisation over the whole batc
 Like Training"); a sequence-level ratio, the geometric mean of the token ratios (GSPO, Zheng et al.
 2025). Scaling the rewards by the batch std instead of the group std follows REINFORCE++ (Hu 2025);
 the reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
-CISPO (MiniMax-M1, 2025) and SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization") replace the clip:
-
-    cispo: -sg(min(ratio_t, 1 + eps_high)) * A_i * log pi(o_t)     clipped tokens keep a gradient (dapo normaliser)
-    sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_i, tau = tau_pos if A_i > 0 else tau_neg     (grpo normaliser)
-
-DAPO adds a soft overlong punishment (overlong_penalty) and dynamic sampling: groups whose rewards all agree are
-dropped and more prompts sampled until the batch is full; Wang et al. 2025 ("Beyond the 80/20 Rule") mask the
-policy gradient of all but the highest-entropy tokens (top_entropy_mask; the KL term keeps every token).
+CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
+Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \
@@ -105,9 +101,8 @@ class Args:
 
     # algorithm
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    """normalisation of the token losses: grpo (per sequence, then batch), bnpo (local batch tokens),
-    dr_grpo (batch x max_completion_length), dapo (tokens of the whole global accumulated batch); or another
-    token loss: cispo (MiniMax-M1 2025, normalised as dapo), sapo (Gao et al. 2025, normalised as grpo)"""
+    """token loss and normaliser: grpo (per sequence, then batch), bnpo (local batch tokens), dr_grpo (batch x
+    max_completion_length), dapo (tokens of the whole global accumulated batch); cispo (as dapo), sapo (as grpo)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
     beta: float = 0.04
@@ -115,8 +110,7 @@ class Args:
     epsilon: float = 0.2
     """lower clip range of the ratio"""
     epsilon_high: float | None = None
-    """upper clip range (DAPO clip-higher; default: epsilon); cispo caps its weight at 1 + epsilon_high, no lower
-    bound (MiniMax-M1; TRL caps at epsilon_high itself: its 5.0 is 4.0 here)"""
+    """upper clip range (DAPO clip-higher; default: epsilon); cispo: weight cap 1 + epsilon_high (TRL's cap 5.0 is 4.0)"""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature tau_pos for positive advantages (Gao et al. 2025)"""
     sapo_temperature_neg: float = 1.05
@@ -252,16 +246,13 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 
 
 def overlong_penalty(lengths, max_completion_length: int, buffer_length: int, factor: float = 1.0):
-    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 up to L - C tokens,
-    ((L - C) - length) / C * factor inside the buffer, -factor beyond."""
+    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, -factor at L."""
     return ((max_completion_length - buffer_length - lengths) / buffer_length).clamp(min=-1, max=0) * factor
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """mask, kept where the entropy reaches the (1 - quantile) quantile of the masked tokens' entropies."""
-    if quantile >= 1 or not mask.any():
-        return mask
-    return mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
+    return mask if quantile >= 1 or not mask.any() else mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
@@ -457,17 +448,16 @@ def main(args: Args):
             rewards = rewards.to(accelerator.device)  # NaN: no reward source scored that completion
             if args.missing_eos_penalty is not None:
                 rewards = rewards - args.missing_eos_penalty * (~finished).float()
-            if args.overlong_buffer_length:  # DAPO's soft overlong punishment
+            if args.overlong_buffer_length:
                 rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length, args.overlong_buffer_length,
                                                      args.overlong_penalty_factor)
-            if args.dynamic_sampling:  # DAPO: keep the groups whose rewards differ, from every rank, in global order
+            if args.dynamic_sampling:  # DAPO: groups whose rewards differ, of every rank in order; constant ones if rounds run out
                 cand = dict(indices=torch.tensor(indices), c_ids=c_ids, c_mask=c_mask, finished=finished.long(), rewards=rewards,
                             per_source=torch.stack(list(per_source.values()), 1), sampler_logps=sampler_logps)
                 cand = {k: accelerator.gather(v.to(accelerator.device)) for k, v in cand.items() if v is not None}
                 pool.append((informative_groups(cand["rewards"], args.num_generations).repeat_interleave(args.num_generations), cand))
                 if sum(int(keep.sum()) for keep, _ in pool) < args.generation_batch_size and draws < args.max_dynamic_sampling_rounds:
                     continue
-                # the informative rows in order, then (only when the rounds ran out) constant ones; this rank's share
                 cand = {k: torch.cat([c[k][keep] for keep, c in pool] + [c[k][~keep] for keep, c in pool])
                         [:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index] for k in cand}
                 indices, c_ids, c_mask, rewards = cand["indices"].tolist(), cand["c_ids"], cand["c_mask"], cand["rewards"]
@@ -475,8 +465,7 @@ def main(args: Args):
                 per_source = dict(zip(per_source, cand["per_source"].T))
                 p_ids, p_mask = (t.to(accelerator.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
                 texts, batch_prompts = tokenizer.batch_decode(c_ids, skip_special_tokens=True), [rows[i]["prompt"] for i in indices]
-            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
-            prompt_width = p_ids.shape[1]
+            input_ids, attention_mask, prompt_width = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
             # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
@@ -559,11 +548,10 @@ def main(args: Args):
                 "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
                 "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
                 "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
-                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)})
+                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
+                **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
             for name, values in r.per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-            if args.dynamic_sampling:  # generation batches (of generation_batch_size / num_generations prompts) drawn
-                metrics["dynamic_sampling/rounds"] = r.draws
             if sampler is not None:
                 metrics["vllm/push_seconds"] = push_seconds
             if step % args.eval_steps == 0 or step == 1:
