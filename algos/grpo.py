@@ -116,7 +116,7 @@ class Args:
     sapo_temperature_neg: float = 1.05
     """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
     top_entropy_quantile: float = 1.0
-    """rho: only the top-rho entropy tokens of each micro-batch's loss tokens carry the policy gradient (paper: 0.2)"""
+    """rho: only each micro-batch's top-rho entropy loss tokens carry the policy gradient (1: all; Wang et al. 2025: 0.2)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
     num_iterations: int = 1
@@ -246,7 +246,7 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 
 
 def overlong_penalty(lengths, max_completion_length: int, buffer_length: int, factor: float = 1.0):
-    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, -factor at L."""
+    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, linear to -factor at L."""
     return ((max_completion_length - buffer_length - lengths) / buffer_length).clamp(min=-1, max=0) * factor
 
 
