@@ -5,6 +5,8 @@ the reward relative to the group as the advantage of every token:
 
     A_i = (r_i - mean(r_group)) / std(r_group)                        (--scale_rewards group)
     loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
+    cispo: -sg(min(ratio_t, 1 + eps_high)) * A_i * log pi(o_t) replaces -min(...)           (MiniMax-M1, 2025)
+    sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_i, tau = tau_pos if A_i > 0 else tau_neg   (Gao et al. 2025)
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
 A completion no reward source scores (reward None / NaN) is left out of its group's mean and std,
@@ -14,6 +16,8 @@ Variants: clip-higher eps_high and token-level normalisation over the whole batc
 Like Training"); a sequence-level ratio, the geometric mean of the token ratios (GSPO, Zheng et al.
 2025). Scaling the rewards by the batch std instead of the group std follows REINFORCE++ (Hu 2025);
 the reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
+CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
+Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \
@@ -34,7 +38,7 @@ from transformers import get_scheduler
 
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
+from common.generation import generate, pad, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
@@ -96,9 +100,9 @@ class Args:
     """HF repetition penalty (1 disables)"""
 
     # algorithm
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """normalisation of the token losses: grpo (per sequence, then batch), bnpo (local batch tokens),
-    dr_grpo (batch x max_completion_length), dapo (tokens of the whole global accumulated batch)"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
+    """token loss and normaliser: grpo (per sequence, then batch), bnpo (local batch tokens), dr_grpo (batch x
+    max_completion_length), dapo (tokens of the whole global accumulated batch); cispo (as dapo), sapo (as grpo)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
     beta: float = 0.04
@@ -106,13 +110,27 @@ class Args:
     epsilon: float = 0.2
     """lower clip range of the ratio"""
     epsilon_high: float | None = None
-    """upper clip range (DAPO clip-higher; default: epsilon)"""
+    """upper clip range (DAPO clip-higher; default: epsilon); cispo: weight cap 1 + epsilon_high (TRL's cap 5.0 is 4.0)"""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau_pos for positive advantages (Gao et al. 2025)"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
+    top_entropy_quantile: float = 1.0
+    """rho: only each micro-batch's top-rho entropy loss tokens carry the policy gradient (1: all; Wang et al. 2025: 0.2)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
     num_iterations: int = 1
     """mu: optimizer passes over each generation batch (> 1 clips against the sampling-time logprobs)"""
     mask_truncated_completions: bool = False
     """leave completions that did not stop out of the loss (DAPO)"""
+    overlong_buffer_length: int = 0
+    """C: DAPO soft overlong punishment over the last C tokens before max_completion_length (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong punishment of a completion that reaches max_completion_length"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
+    max_dynamic_sampling_rounds: int = 10
+    """generation batches sampled at most per rollout; then constant groups fill what is missing"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -221,29 +239,53 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return centered.flatten()
 
 
+def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[groups] True where the scored rewards of the group do not all agree (else every advantage is 0)."""
+    grouped = rewards.view(-1, num_generations)
+    return (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1) >= 1e-6
+
+
+def overlong_penalty(lengths, max_completion_length: int, buffer_length: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, linear to -factor at L."""
+    return ((max_completion_length - buffer_length - lengths) / buffer_length).clamp(min=-1, max=0) * factor
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """mask, kept where the entropy reaches the (1 - quantile) quantile of the masked tokens' entropies."""
+    return mask if quantile >= 1 or not mask.any() else mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
+
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
               epsilon_high: float = 0.2, beta: float = 0.0, importance_sampling_level: str = "token",
-              max_completion_length: int = 0, num_items_in_batch: float = 0.0, token_weights=1.0):
+              max_completion_length: int = 0, num_items_in_batch: float = 0.0, token_weights=1.0,
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
     """The loss of a micro-batch and its per-token ratios. logps/old_logps/ref_logps/mask: [B, T]
     over completion tokens; advantages: [B]; ref_logps unused when beta == 0; num_items_in_batch:
     the dapo normaliser (completion tokens of the global batch, scaled to one micro-batch);
-    token_weights: importance weights of the clipped term (vLLM sampler correction)."""
+    token_weights: weights of the policy-gradient term (vLLM sampler correction, entropy mask)."""
     log_ratio = logps - old_logps
     if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
     a = advantages[:, None]
-    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a) * token_weights
+    if loss_type == "cispo":  # the weight is a constant: its gradient is the truncated REINFORCE one
+        per_token = -torch.clamp(ratio, max=1 + epsilon_high).detach() * a * logps
+    elif loss_type == "sapo":  # gradient -A * ratio * 4 s (1 - s), s = sigmoid(...): the on-policy -A at ratio 1
+        tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+    else:
+        per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a)
+    per_token = per_token * token_weights
     if beta:
         q = ref_logps - logps  # k3: an unbiased, always positive estimate of KL(pi || pi_ref)
         per_token = per_token + beta * (torch.exp(q) - q - 1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     elif loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         loss = (per_token * mask).sum() / num_items_in_batch
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -280,6 +322,7 @@ class Rollout:
     per_source: dict  # reward source name -> [B]
     prompts: list
     texts: list
+    draws: int = 1  # generation batches sampled to fill it (dynamic sampling)
 
 
 def main(args: Args):
@@ -375,14 +418,15 @@ def main(args: Args):
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:
-        if rollout is None:
+        draws, pool = 0, []  # dynamic sampling: (informative rows, rows) of every round, all ranks
+        while rollout is None:
             # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
             indices = next(prompts_iter)
             # one seed per completion, from its place in the run: the same samples on 1 or N processes
             seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
             batch_prompt_ids = [prompt_ids[i] for i in indices]
             if sampler is not None:
-                if step > 0:  # the policy changed since the engine last got its weights
+                if step > 0 and not draws:  # the policy changed since the engine last got its weights
                     push_seconds = sampler.push_weights(model)
                 p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(
                     tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
@@ -391,9 +435,7 @@ def main(args: Args):
                     p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids,
                                                                       seeds=seeds, **sampling)
                 sampler_logps = None
-            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
-            prompt_width = p_ids.shape[1]
-            episode += args.generation_batch_size
+            episode, draws = episode + args.generation_batch_size, draws + 1
 
             # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----
             texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
@@ -406,6 +448,24 @@ def main(args: Args):
             rewards = rewards.to(accelerator.device)  # NaN: no reward source scored that completion
             if args.missing_eos_penalty is not None:
                 rewards = rewards - args.missing_eos_penalty * (~finished).float()
+            if args.overlong_buffer_length:
+                rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length, args.overlong_buffer_length,
+                                                     args.overlong_penalty_factor)
+            if args.dynamic_sampling:  # DAPO: groups whose rewards differ, of every rank in order; constant ones if rounds run out
+                cand = dict(indices=torch.tensor(indices), c_ids=c_ids, c_mask=c_mask, finished=finished.long(), rewards=rewards,
+                            per_source=torch.stack(list(per_source.values()), 1), sampler_logps=sampler_logps)
+                cand = {k: accelerator.gather(v.to(accelerator.device)) for k, v in cand.items() if v is not None}
+                pool.append((informative_groups(cand["rewards"], args.num_generations).repeat_interleave(args.num_generations), cand))
+                if sum(int(keep.sum()) for keep, _ in pool) < args.generation_batch_size and draws < args.max_dynamic_sampling_rounds:
+                    continue
+                cand = {k: torch.cat([c[k][keep] for keep, c in pool] + [c[k][~keep] for keep, c in pool])
+                        [:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index] for k in cand}
+                indices, c_ids, c_mask, rewards = cand["indices"].tolist(), cand["c_ids"], cand["c_mask"], cand["rewards"]
+                finished, sampler_logps = cand["finished"].bool(), cand.get("sampler_logps")
+                per_source = dict(zip(per_source, cand["per_source"].T))
+                p_ids, p_mask = (t.to(accelerator.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
+                texts, batch_prompts = tokenizer.batch_decode(c_ids, skip_special_tokens=True), [rows[i]["prompt"] for i in indices]
+            input_ids, attention_mask, prompt_width = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
             # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
@@ -431,7 +491,7 @@ def main(args: Args):
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
                               num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps,
                               rewards=rewards, all_rewards=all_rewards, per_source=per_source, prompts=batch_prompts,
-                              texts=texts)
+                              texts=texts, draws=draws)
 
         # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
         for _ in range(args.num_iterations - step % args.num_iterations):
@@ -446,11 +506,13 @@ def main(args: Args):
                     is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
                     if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
                         is_weights = torch.exp(old - r.sampler_logps[s]).clamp(max=args.vllm_importance_sampling_cap)
+                    pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
                     loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
                                             loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
                                             beta=args.beta, importance_sampling_level=args.importance_sampling_level,
                                             max_completion_length=args.max_completion_length,
-                                            num_items_in_batch=r.num_items, token_weights=is_weights)
+                                            num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
+                                            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
                     if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                         accelerator.backward(loss)
                     if accelerator.sync_gradients:
@@ -478,17 +540,16 @@ def main(args: Args):
 
             # ---- LOG ----
             metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
-            grouped = r.all_rewards.view(-1, args.num_generations)
-            spread = (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1)
             scored = r.all_rewards[~r.all_rewards.isnan()]
             metrics.update({
                 "reward": scored.mean().item(), "reward_std": scored.std().item(),
                 "completions/mean_length": accelerator.gather(r.completion_mask.sum(1).float()).mean().item(),
                 "completions/clipped_ratio": 1 - accelerator.gather(r.finished.float()).mean().item(),
                 "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
-                "frac_reward_zero_std": (spread < 1e-6).float().mean().item(),
+                "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
                 "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
-                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)})
+                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
+                **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
             for name, values in r.per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
             if sampler is not None:

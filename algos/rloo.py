@@ -12,7 +12,11 @@ The update is the PPO clipped surrogate on per-token ratios against the sampling
 num_ppo_epochs passes of num_mini_batches optimizer steps each. With --token_level_kl the KL
 penalty is a per-token reward and each token's advantage uses the return from that token on
 (REINFORCE++-style reward-to-go, Hu 2025). The EOS trick and reward normalisation follow the N+
-implementation details (Huang et al. 2024).
+implementation details (Huang et al. 2024). --loss_type cispo / sapo replace the clipped surrogate by
+grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), with the same token mean:
+
+    cispo: -sg(min(ratio_t, 1 + cliprange)) * A_t * log pi(o_t)        (clipped tokens keep a gradient)
+    sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_t, tau = tau_pos if A_t > 0 else tau_neg
 
     python algos/rloo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/rloo.py --model_name_or_path output/pythia-1b-sft \
@@ -106,7 +110,13 @@ class Args:
     normalize_advantages: bool = False
     """whiten the advantages over the batch"""
     cliprange: float = 0.2
-    """PPO clip range of the ratio"""
+    """PPO clip range of the ratio (cispo: its weight is capped at 1 + cliprange, with no lower bound)"""
+    loss_type: Literal["ppo", "cispo", "sapo"] = "ppo"
+    """the clipped PPO surrogate, CISPO's truncated REINFORCE (MiniMax-M1 2025) or SAPO's soft gate (Gao et al. 2025)"""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau_pos for positive advantages"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
     num_ppo_epochs: int = 2
     """passes over each rollout batch"""
     num_mini_batches: int = 1
@@ -232,15 +242,23 @@ def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.T
     return (returns - baseline.flatten()[:, None]) * mask * keep
 
 
-def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0):
-    """PPO clipped surrogate, mean over the micro-batch's completion tokens. advantages: [B] or [B, T];
-    token_weights: importance weights (vLLM sampler correction). Returns (loss, ratio, whether each
-    token was clipped)."""
+def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0, loss_type: str = "ppo",
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
+    """PPO clipped surrogate (or the cispo / sapo token loss), mean over the micro-batch's completion tokens.
+    advantages: [B] or [B, T]; token_weights: importance weights (vLLM sampler correction). Returns (loss,
+    ratio, whether each token was clipped: cispo's weight truncated; never for sapo)."""
     ratio = torch.exp(logps - old_logps)
     a = advantages if advantages.dim() == 2 else advantages[:, None]
-    unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = (torch.max(unclipped, clipped) * token_weights * mask).sum() / mask.sum().clamp(min=1)
-    return loss, ratio, clipped > unclipped
+    if loss_type == "cispo":  # the weight is a constant: its gradient is the truncated REINFORCE one
+        per_token, clipped = -torch.clamp(ratio, max=1 + cliprange).detach() * a * logps, ratio > 1 + cliprange
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token, clipped = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a, torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+        per_token, clipped = torch.max(unclipped, clipped), clipped > unclipped
+    loss = (per_token * token_weights * mask).sum() / mask.sum().clamp(min=1)
+    return loss, ratio, clipped
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,7 +454,9 @@ def main(args: Args):
                         if sampler is not None and args.vllm_importance_sampling_cap:
                             is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
                         loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
-                                                         cliprange=args.cliprange, token_weights=is_weights)
+                                                         cliprange=args.cliprange, token_weights=is_weights,
+                                                         loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,
+                                                         sapo_temperature_neg=args.sapo_temperature_neg)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                             accelerator.backward(loss)
                         if accelerator.sync_gradients:

@@ -160,3 +160,109 @@ def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_mo
                                                                "rewards/short/mean"}
     first, last = [statistics.mean(r["reward"] for r in rows) for rows in (log[:3], log[-3:])]
     assert last > first + 1.0, (first, last)  # at least one word shorter on average
+
+
+# CISPO and SAPO on two sequences with A = +2 and -1, token log-ratios (0.5, 0) and (-0.5, masked)
+NEW_LOGPS, NEW_OLD = [[-0.5, -1.0], [-2.0, -0.2]], [[-1.0, -1.0], [-1.5, -0.2]]
+NEW_ADV, NEW_MASK = [2.0, -1.0], [[1.0, 1.0], [1.0, 0.0]]
+
+
+def new_loss(loss_type, **kw):
+    logps = torch.tensor(NEW_LOGPS, requires_grad=True)
+    loss, _ = grpo.grpo_loss(logps, torch.tensor(NEW_OLD), None, torch.tensor(NEW_ADV), torch.tensor(NEW_MASK),
+                             loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, num_items_in_batch=3.0, **kw)
+    loss.backward()
+    return loss.item(), logps.grad.tolist()
+
+
+def test_cispo_hand_worked_value_and_gradient():
+    # weights sg(min(r, 1.28)): e^0.5 = 1.65 -> 1.28 (clipped), 1, e^-0.5 = 0.6065 (no lower bound; 0.8 would be wrong)
+    # loss = -(1.28 * 2 * -0.5 + 1 * 2 * -1.0 + 0.6065 * -1 * -2.0) / 3 tokens (dapo normaliser) = 0.68898
+    # d/dlogp = -w * A / 3: the clipped token keeps -1.28 * 2 / 3 (the clipped PPO term would give it 0);
+    # without the stop-gradient the r = 1 token would get -(1 + logp) * A / 3 = 0, not -2/3
+    w = math.exp(-0.5)
+    value, grad = new_loss("cispo")
+    assert value == pytest.approx(-(1.28 * 2 * -0.5 + 2 * -1.0 + w * -1 * -2.0) / 3, rel=1e-6)
+    assert value == pytest.approx(0.68898, abs=1e-5)
+    assert sum(grad, []) == pytest.approx([-1.28 * 2 / 3, -2 / 3, w / 3, 0.0], rel=1e-6)
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sapo_hand_worked_value_and_gradient():
+    # gate f(r) = 4 / tau * sigmoid(tau (r - 1)), tau_pos = 1 for A = 2, tau_neg = 2 for A = -1; loss -f(r) A,
+    # averaged per sequence, then over the 2 sequences (grpo normaliser):
+    #   row 0: -2 * 4 * sigmoid(0.6487) = -5.2538 and -2 * 4 * sigmoid(0) = -4 -> mean -4.6269
+    #   row 1: +1 * 2 * sigmoid(2 * (0.6065 - 1)) = 0.6257                      -> loss (-4.6269 + 0.6257) / 2 = -2.0006
+    # d/dlogp = -A * 4 s (1 - s) * r / (tokens of the row * 2): 1 at r = 1 (the policy gradient), smaller far off
+    r0, r1 = math.exp(0.5), math.exp(-0.5)
+    value, grad = new_loss("sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+    expected = ((-2 * 4 * sigmoid(r0 - 1) - 4) / 2 + 2 * sigmoid(2 * (r1 - 1))) / 2
+    assert value == pytest.approx(expected, rel=1e-6) and value == pytest.approx(-2.00062, abs=1e-5)
+
+    def g(r, tau, a, n):
+        s = sigmoid(tau * (r - 1))
+        return -a * 4 * s * (1 - s) * r / n
+    assert sum(grad, []) == pytest.approx([g(r0, 1, 2, 4), g(1, 1, 2, 4), g(r1, 2, -1, 2), 0.0], rel=1e-6)
+    assert grad[0][1] == pytest.approx(-0.5) and grad[1][0] == pytest.approx(0.26077, abs=1e-5)
+
+
+def test_overlong_penalty_at_the_buffer_edges():
+    # L = 10, C = 4, factor 0.5: free up to 6 tokens, then -0.5 * (len - 6) / 4, -0.5 from 10 on
+    lengths = torch.tensor([0, 6, 7, 8, 10, 12])
+    assert grpo.overlong_penalty(lengths, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    assert grpo.overlong_penalty(lengths, 10, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+def test_top_entropy_mask_hand_worked():
+    entropy = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.7, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # the 5 loss tokens sorted: 0.1 0.3 0.5 0.7 0.9; their 0.6 quantile is 0.5 + 0.4 * 0.2 = 0.58 -> keep 0.9, 0.7
+    # (counting the padding's 0.0 too would give 0.5 and keep 3)
+    assert grpo.top_entropy_mask(entropy, mask, 0.4).tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    assert grpo.top_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+    assert grpo.top_entropy_mask(entropy, torch.zeros(2, 3), 0.2).tolist() == [[0.0] * 3] * 2
+
+
+def test_informative_groups():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, math.nan, 3.0, 3.0, math.nan, math.nan])
+    assert grpo.informative_groups(rewards, 3).tolist() == [False, True, False]  # NaN: unscored, not a difference
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds(tmp_path, sft_model):
+    """8 completions a batch = 2 groups of 4; prompts of odd length get reward 0 (constant groups). Replaying
+    the reward function's calls gives the rounds each rollout needs and the rewards of the batch it keeps."""
+    from tests import toy_rewards
+    toy_rewards.CALLS.clear()
+    common = dict(model_name_or_path=sft_model, reward_model_paths=[], max_steps=3, per_device_train_batch_size=8,
+                  num_generations=4, max_completion_length=8, logging_steps=1, dynamic_sampling=True)
+    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:constant_for_odd_prompts"], output_dir=str(tmp_path / "a")))
+    log, calls = read_log(str(tmp_path / "a")), list(toy_rewards.CALLS)
+    for row in log:
+        kept, rounds = [], 0
+        while len(kept) < 8:
+            rounds, call = rounds + 1, calls.pop(0)
+            kept += [r for g in (call[:4], call[4:]) if max(g) != min(g) for r in g]
+        assert row["dynamic_sampling/rounds"] == rounds and row["frac_reward_zero_std"] == 0.0
+        assert row["reward"] == pytest.approx(statistics.mean(kept[:8]), rel=1e-6)
+    assert not calls and sum(r["dynamic_sampling/rounds"] for r in log) > 3  # some groups were dropped
+    assert log[-1]["episode"] == 8 * sum(r["dynamic_sampling/rounds"] for r in log)
+    # every group constant: each rollout stops at the cap and trains on constant groups
+    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:zero"], max_dynamic_sampling_rounds=3,
+                        output_dir=str(tmp_path / "b")))
+    log = read_log(str(tmp_path / "b"))
+    assert [r["dynamic_sampling/rounds"] for r in log] == [3, 3, 3] and log[-1]["episode"] == 3 * 3 * 8
+    assert all(r["frac_reward_zero_std"] == 1.0 for r in log)
+
+
+def test_sapo_entropy_mask_and_overlong_punishment_end_to_end(tmp_path, sft_model):
+    out = str(tmp_path / "grpo")
+    # 2 tokens are too few for any summary to stop: every completion is 2 = L tokens long, punished -factor
+    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths",
+               "--reward_funcs", "tests.toy_rewards:zero", "--overlong_buffer_length", "2", "--overlong_penalty_factor",
+               "0.5", "--loss_type", "sapo", "--top_entropy_quantile", "0.2", "--max_completion_length", "2",
+               "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4", "--output_dir", out)
+    log = read_log(out)
+    assert log[0]["reward"] == -0.5 and log[0]["completions/clipped_ratio"] == 1.0 and math.isfinite(log[-1]["loss"])

@@ -66,3 +66,23 @@ def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
     print(script, {k: max(abs(a[k] - b[k]) for a, b in zip(two, one) if k in a) for k in keys})
     if script != "reward":
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "two"))
+
+
+@pytest.mark.multiproc
+def test_grpo_dynamic_sampling_two_processes_match_one_process(tmp_path, sft_model):
+    """Dynamic sampling decides on the rows of every rank, in global order: 2 processes keep the same groups,
+    draw as many rounds and log the same losses as 1 process with 2 micro-batches."""
+    common = ["algos/grpo.py", "--max_steps", "2", "--logging_steps", "1", "--model_name_or_path", sft_model,
+              "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+              "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:constant_for_odd_prompts", "--dynamic_sampling"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=launcher,
+               env={**os.environ, "ACCELERATE_USE_CPU": "true"})
+    run_script(*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
+    two, one = read_log(str(tmp_path / "two")), read_log(str(tmp_path / "one"))
+    assert len(two) == len(one) == 2 and sum(r["dynamic_sampling/rounds"] for r in one) > 2  # groups were dropped
+    for a, b in zip(two, one):
+        assert a["dynamic_sampling/rounds"] == b["dynamic_sampling/rounds"] and a["reward"] == b["reward"]
+        assert a["frac_reward_zero_std"] == b["frac_reward_zero_std"] == 0.0
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

@@ -1,6 +1,7 @@
 """algos/rloo.py: leave-one-out advantages (a loop over prompts vs the vectorized form), token-level
 returns, the clipped surrogate, whitening, and end-to-end runs including a learning test."""
 
+import math
 import statistics
 
 import pytest
@@ -59,6 +60,43 @@ def test_clipped_surrogate_against_hand_values():
     # token 2: ratio 1: -2; token 3: ratio e^-1 = 0.368 < 0.8, A = -1: max(0.368, 0.8) = 0.8 (clipped)
     assert loss.item() == pytest.approx((-2.4 - 2.0 + 0.8) / 3, rel=1e-5)
     assert ratio[0, 0].item() == pytest.approx(e ** 0.5) and clipped.tolist() == [[True, False], [True, False]]
+
+
+def new_loss(loss_type, **kw):
+    """The cispo / sapo losses on the data above (ratios e^0.5 = 1.6487 with A = 2, 1 with A = 2, e^-1 with A = -1)."""
+    logps = torch.tensor([[0.0, -1.0], [-2.0, -1.0]], requires_grad=True)
+    loss, _, clipped = rloo.rloo_loss(logps, torch.tensor([[-0.5, -1.0], [-1.0, -1.0]]), torch.tensor([2.0, -1.0]),
+                                      torch.tensor([[1.0, 1.0], [1.0, 0.0]]), cliprange=0.2, loss_type=loss_type, **kw)
+    loss.backward()
+    return loss.item(), sum(logps.grad.tolist(), []), clipped.tolist()
+
+
+def test_cispo_hand_worked_value_and_gradient():
+    # weights sg(min(r, 1.2)) = 1.2 (clipped), 1, e^-1 (no lower bound); loss -w A logp over 3 tokens:
+    # -(1.2 * 2 * 0 + 2 * -1 + e^-1 * -1 * -2) / 3 = 0.42141; d/dlogp = -w A / 3 (stop-gradient: the
+    # r = 1 token would otherwise get -(1 + logp) A / 3 = 0), so the clipped token keeps -0.8
+    w = math.exp(-1)
+    value, grad, clipped = new_loss("cispo")
+    assert value == pytest.approx(-(2 * -1 + w * -1 * -2) / 3, rel=1e-6) and value == pytest.approx(0.42141, abs=1e-5)
+    assert grad == pytest.approx([-1.2 * 2 / 3, -2 / 3, w / 3, 0.0], rel=1e-6)
+    assert clipped == [[True, False], [False, False]]
+
+
+def test_sapo_hand_worked_value_and_gradient():
+    # -4 / tau * sigmoid(tau (r - 1)) * A, tau 1 for A = 2 and 2 for A = -1, mean over 3 tokens:
+    # (-8 sigmoid(0.6487) - 4 + 2 sigmoid(2 (e^-1 - 1))) / 3 = (-5.2538 - 4 + 0.4405) / 3 = -2.9378
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
+    def g(r, tau, a):  # -A * 4 s (1 - s) * r / 3
+        s = sig(tau * (r - 1))
+        return -a * 4 * s * (1 - s) * r / 3
+    r0, r2 = math.exp(0.5), math.exp(-1)
+    value, grad, clipped = new_loss("sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+    assert value == pytest.approx((-8 * sig(r0 - 1) - 4 + 2 * sig(2 * (r2 - 1))) / 3, rel=1e-6)
+    assert value == pytest.approx(-2.93776, abs=1e-5)
+    assert grad == pytest.approx([g(r0, 1, 2), g(1, 1, 2), g(r2, 2, -1), 0.0], rel=1e-6) and grad[1] == pytest.approx(-2 / 3)
+    assert clipped == [[False, False], [False, False]]
 
 
 def test_whiten():

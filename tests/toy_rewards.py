@@ -40,3 +40,13 @@ def short_or_none(prompts, completions, **columns):
 def none(prompts, completions, **columns):
     """Applies to nothing: every completion unscored."""
     return [None] * len(completions)
+
+
+CALLS = []  # what constant_for_odd_prompts returned, call by call (the dynamic-sampling test reads it)
+
+
+def constant_for_odd_prompts(prompts, completions, **columns):
+    """`short` for prompts of an even number of characters; 0 for the others, whose groups are then constant."""
+    out = [0.0 if len(str(p)) % 2 else -float(len(c.split())) for p, c in zip(prompts, completions)]
+    CALLS.append(out)
+    return out
