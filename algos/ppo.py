@@ -260,6 +260,8 @@ class PolicyAndValue(torch.nn.Module):
     def __init__(self, policy, value_model):
         super().__init__()
         self.policy, self.value_model = policy, value_model
+        # FSDP shards each of these layers alone (accelerate reads them from the model, as for a HF model)
+        self._no_split_modules = sorted({*(policy._no_split_modules or ()), *(value_model._no_split_modules or ())})
 
     def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
         """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""

@@ -5,6 +5,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import (GenerationConfig, LogitsProcessor, MinPLogitsWarper, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
@@ -80,8 +82,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     model.eval()
     # synced_gpus: only a sharded model needs every rank to decode in step (HF would turn it on whenever
     # ZeRO-3 is configured, and one rank sampling alone would then wait forever)
-    synced = (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and any(
-        getattr(p, "ds_status", None) is not None and p.ds_status.name == "NOT_AVAILABLE" for p in model.parameters()))
+    synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and any(
+        isinstance(p, DTensor) or getattr(p, "ds_status", None) is not None and p.ds_status.name == "NOT_AVAILABLE"
+        for p in model.parameters())  # a ZeRO-3 or FSDP2 shard
     chunks = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
@@ -103,8 +106,23 @@ def unwrapped_for_generation(accelerator, model, gather: bool = True):
     """The bare model for `generate`. Under ZeRO-3 every rank (all must enter) gathers its full weights
     and DeepSpeed's per-module hooks come off meanwhile (else each module would release its weights after
     a forward and gather them again for every token); inside, one rank alone may use it. gather=False (a
-    model too large to gather) decodes sharded: every rank must generate, and HF keeps them in step."""
+    model too large to gather) decodes sharded: every rank must generate, and HF keeps them in step.
+    FSDP2 likewise: every sharded module gathered, and not freed after each forward while inside."""
     unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_fsdp2 and gather:
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model._get_fsdp_state()._lazy_init()  # the root first (PPO generates with a submodule); private API
+        for module in sharded:
+            module.unshard()  # not recursive: each module
+        model.set_reshard_after_forward(False)
+        try:
+            yield unwrapped
+        finally:
+            for module in sharded:
+                module.reshard()
+            model.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward)
+            model.set_reshard_after_forward(False, recurse=False)  # FSDP2 never reshards the root after forward
+        return
     if deepspeed_stage(accelerator) != 3 or not gather:
         yield unwrapped
         return
@@ -197,7 +215,8 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5.23; older:
     if checkpointing is None:
         checkpointing = getattr(inner, "is_gradient_checkpointing", False)
-    if inner.training and checkpointing:
+    # FSDP2 regathers weights for backward through module outputs only, and a cache is none
+    if inner.training and checkpointing or torch.is_grad_enabled() and isinstance(inner, FSDPModule):
         return None
     if length <= 0:  # nothing to share (one-token prompts); a call all the same, as other ranks make one
         with torch.no_grad():

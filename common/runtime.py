@@ -6,8 +6,8 @@ import signal
 import sys
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
 
@@ -39,7 +39,8 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "learning_rate", "max_grad_norm", "num_train_epochs", "eval_steps", "max_length", "max_prompt_length",
             "max_completion_length", "max_new_tokens", "response_length", "num_iterations", "num_ppo_epochs",
             "num_mini_batches", "local_rollout_forward_batch_size", "ref_model_sync_steps", "lora_r", "lora_alpha",
-            "temperature")
+            "temperature", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg",
+            "max_dynamic_sampling_rounds")
 
 
 def check_positive(flags: dict):
@@ -84,6 +85,11 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
     accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
                               mixed_precision="bf16" if bf16 else None,
                               kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and accelerator.distributed_type != DistributedType.FSDP:
+        # accelerate (1.15) turns FSDP on for accelerators only; on a CPU (gloo, as the tests run it) it would
+        # quietly run DDP. The plugin reads the launcher's FSDP_* variables; the shared state keeps the type.
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     set_seed(seed)
     if (plugin := accelerator.state.deepspeed_plugin) is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size

@@ -215,6 +215,9 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     *[(s, "lr", None, dict(learning_rate=-1.0), r"--learning_rate must be > 0 \(got -1.0\)") for s in SCRIPTS],
     *[(s, "temperature", None, dict(temperature=0.0), r"--temperature must be > 0 \(got 0.0\); online RL samples")
       for s in ONLINE],
+    *[(s, "sapo_tau", None, dict(sapo_temperature_neg=0.0), r"--sapo_temperature_neg must be > 0 \(got 0.0\)")
+      for s in ("grpo", "rloo")],
+    ("grpo", "entropy_quantile", None, dict(top_entropy_quantile=0.0), r"--top_entropy_quantile must be > 0"),
     # 10. SFT conversations with no assistant turn to learn
     ("sft", "no_assistant", lambda rows: [{"messages": [{"role": "user", "content": "a"}]}] * 4, {},
      "row 0: its messages hold no assistant turn"),

@@ -1,0 +1,52 @@
+"""Every script under FSDP2 on 2 processes, launched as a user launches it (`accelerate launch
+--config_file configs/fsdp2.yaml ...`), here on the CPU with gloo (ACCELERATE_USE_CPU=true; common/runtime.setup
+turns FSDP on there, which accelerate does for accelerators only). As in test_deepspeed.py, each run
+has its evaluation, sample tables (generation with gathered weights), a checkpoint after step 1 and the
+final save on, and must log the 1-process run's losses and save its weights; the online scripts are
+also resumed from step 1 and must end where they ended.
+
+Not in the default run (~6 min on 2 cores): `python -m pytest -m fsdp`; .ci/run runs it together with
+the DeepSpeed tests, so that both compare against the same 1-process runs."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_script
+from tests.test_deepspeed import EVERYTHING_ON, assert_same_losses, model_flags, one_process_run, saved_weights
+from tests.test_multiprocess import CASES, TOLERANCE
+from tests.test_sft import read_log
+
+LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", "fsdp2.yaml"),
+            "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no"]
+ON_CPU = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+
+
+@pytest.mark.fsdp
+@pytest.mark.parametrize("script", list(CASES))
+def test_fsdp2_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, rm_model, script):
+    flags, keys = CASES[script]
+    one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
+    common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
+              "--gradient_accumulation_steps", "1"]
+    out = run_script(*common, "--output_dir", str(tmp_path / "fsdp"), launcher=LAUNCHER, env=ON_CPU).stdout
+    log, tolerance = read_log(str(tmp_path / "fsdp")), TOLERANCE.get(script, 1e-5)
+    assert_same_losses(log, read_log(one), keys, [1, 2], tolerance)
+    assert "--- samples at step 2 ---" in out
+    # sharded for real: accelerate writes an FSDP model's state as torch.distributed.checkpoint shards
+    assert "pytorch_model_fsdp_0" in os.listdir(tmp_path / "fsdp" / "checkpoints" / "step_1")
+    fsdp, reference = saved_weights(str(tmp_path / "fsdp"), script), saved_weights(one, script)
+    assert fsdp.keys() == reference.keys()
+    for name in fsdp:
+        assert torch.allclose(fsdp[name], reference[name], atol=tolerance), name
+    rows = [(x, y) for x, y in zip(log, read_log(one)) if x["step"] == y["step"]]
+    print(f"\n{script} fsdp2:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
+          "weights:", max((fsdp[k] - reference[k]).abs().max().item() for k in fsdp))
+    if script in ("grpo", "rloo", "ppo", "online_dpo"):  # resumed from step 1, it ends where the first run ended
+        run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+                   str(tmp_path / "fsdp" / "checkpoints" / "step_1"), launcher=LAUNCHER, env=ON_CPU)
+        assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
+        resumed = saved_weights(str(tmp_path / "resumed"), script)
+        assert all(torch.allclose(resumed[k], fsdp[k], atol=1e-6) for k in fsdp)
