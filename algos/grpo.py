@@ -211,7 +211,11 @@ class Args:
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer before giving up"""
     vllm_importance_sampling_cap: float | None = None
-    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
+    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    vllm_importance_sampling_clip_min: float = 0.0
+    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -290,6 +294,22 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "d
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     return loss, ratio.expand_as(logps)
+
+
+def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
+    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens (mask;
+    others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask zero it outside."""
+    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
+    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
+        log_ratio, real = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1), real.any(-1, keepdim=True)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(log_ratio)
+    outside = (ratio < low) | (ratio > high)
+    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
+    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
+    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
+                                                        masked_fraction=outside[real].float().mean())
 
 
 def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
@@ -497,15 +517,17 @@ def main(args: Args):
         for _ in range(args.num_iterations - step % args.num_iterations):
             if step >= args.num_steps:
                 break
-            r, stats = rollout, defaultdict(float)  # stats: name -> sum over micro-batches
+            r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
             for m, s in enumerate(micro):
                 with accelerator.accumulate(model):
                     logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
                                                       args.temperature, entropy=True)
                     old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
-                    is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
+                    is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
                     if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
-                        is_weights = torch.exp(old - r.sampler_logps[s]).clamp(max=args.vllm_importance_sampling_cap)
+                        is_weights, is_stats = vllm_importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
+                            mode=args.vllm_importance_sampling_mode, low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+                        corrections.append(is_stats)
                     pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
                     loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
                                             loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
@@ -554,6 +576,9 @@ def main(args: Args):
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
             if sampler is not None:
                 metrics["vllm/push_seconds"] = push_seconds
+            for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
+                v = accelerator.gather(torch.stack([d[k] for d in corrections]))
+                metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
             if step % args.eval_steps == 0 or step == 1:
                 tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": reward} for p, t, reward
                                      in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
@@ -564,7 +589,6 @@ def main(args: Args):
             checkpointer.end_of_step(step, {"episode": episode, "rollout": rollout and vars(rollout)})
 
     # ---- SAVE ----
-    os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
     tracker.close()

@@ -171,8 +171,8 @@ class Args:
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer before giving up"""
-    vllm_importance_sampling_cap: float | None = None
-    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+    # no --vllm_importance_sampling_* (grpo, rloo, ppo have them): the DPO loss is a preference loss on the sampled
+    # pairs, not an importance-weighted estimate under pi, so no ratio pi_train / pi_vllm enters it (README)
 
     # filled in at runtime
     world_size: int = 0

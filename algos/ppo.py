@@ -187,7 +187,11 @@ class Args:
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer before giving up"""
     vllm_importance_sampling_cap: float | None = None
-    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
+    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    vllm_importance_sampling_clip_min: float = 0.0
+    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -245,6 +249,22 @@ def policy_loss(logps, old_logps, advantages, mask, cliprange: float, token_weig
     unclipped, clipped = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
     loss = masked_mean(torch.max(unclipped, clipped) * token_weights, mask)
     return loss, masked_mean((clipped > unclipped).float(), mask), masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
+
+
+def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
+    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens (mask;
+    others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask zero it outside."""
+    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
+    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
+        log_ratio, real = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1), real.any(-1, keepdim=True)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(log_ratio)
+    outside = (ratio < low) | (ratio > high)
+    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
+    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
+    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
+                                                        masked_fraction=outside[real].float().mean())
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
@@ -393,6 +413,7 @@ def main(args: Args):
                                                                   args.response_length, temperature=args.temperature,
                                                                   seeds=seeds)
             sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device)
+        sampled = r_mask.float()  # the tokens the sampler drew (and gave logprobs for)
         if args.stop_token == "none":
             r_ids, r_mask = r_ids.masked_fill(r_mask == 0, tokenizer.eos_token_id), torch.ones_like(r_mask)
         # the same prompt width on every rank, so that the rollout can be gathered
@@ -425,9 +446,9 @@ def main(args: Args):
         # rollout gathered on every rank (micro-batches are then drawn from one global shuffle, so
         # the update does not depend on how many processes share it) ----
         local_scores, local_finished = scores, finished
-        input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values, sampler_logps, scores = (
+        input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values, sampler_logps, sampled, scores = (
             accelerator.gather(t) for t in (input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values,
-                                            sampler_logps, scores))
+                                            sampler_logps, sampled, scores))
         if scores.isnan().any():  # every rank sees the gathered scores: all stop alike
             raise UserError("a response has no reward: the reward model has weight 0 and no reward function scored it "
                             "(None); PPO needs a score for every response (give the reward model a weight)")
@@ -436,6 +457,11 @@ def main(args: Args):
             rewards = whiten(rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, old_values, args.gamma, args.lam)
         advantages = whiten(advantages, mask)  # N+ detail: advantage whitening over the batch
+        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
+        is_weights, is_stats = torch.ones_like(old_logps), {}
+        if sampler is not None and args.vllm_importance_sampling_cap:
+            is_weights, is_stats = vllm_importance_weights(old_logps, sampler_logps, sampled, mode=args.vllm_importance_sampling_mode,
+                                                           low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
         stats = defaultdict(float)  # name -> sum over micro-batches
@@ -449,11 +475,8 @@ def main(args: Args):
                     with accelerator.accumulate(model):
                         logits, values = model(input_ids[idx], attention_mask[idx], prompt_width, args.temperature)
                         logps = token_logprobs(logits, r_ids[idx])
-                        is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
-                        if sampler is not None and args.vllm_importance_sampling_cap:
-                            is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
                         pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m,
-                                                                            cliprange=args.cliprange, token_weights=is_weights)
+                                                                            cliprange=args.cliprange, token_weights=is_weights[idx])
                         vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m,
                                                           cliprange_value=args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
@@ -493,6 +516,7 @@ def main(args: Args):
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
+        metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
                                  for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)

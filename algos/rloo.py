@@ -201,7 +201,11 @@ class Args:
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer before giving up"""
     vllm_importance_sampling_cap: float | None = None
-    """truncated importance sampling: weight each token's loss by min(pi_train / pi_vllm, cap) (e.g. 2.0)"""
+    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
+    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    vllm_importance_sampling_clip_min: float = 0.0
+    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -259,6 +263,22 @@ def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weight
         per_token, clipped = torch.max(unclipped, clipped), clipped > unclipped
     loss = (per_token * token_weights * mask).sum() / mask.sum().clamp(min=1)
     return loss, ratio, clipped
+
+
+def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
+    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens (mask;
+    others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask zero it outside."""
+    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
+    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
+        log_ratio, real = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1), real.any(-1, keepdim=True)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(log_ratio)
+    outside = (ratio < low) | (ratio > high)
+    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
+    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
+    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
+                                                        masked_fraction=outside[real].float().mean())
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -418,7 +438,8 @@ def main(args: Args):
         all_scores, kl = accelerator.gather(scores), accelerator.gather(old_logps - ref_logps)
         # unscorable completions (score NaN) stay out of the baselines, the whitening and the loss
         scored = ~all_scores.isnan()
-        all_mask = accelerator.gather(mask) * scored[:, None]
+        sampled = accelerator.gather(mask)  # the tokens the sampler drew (and gave logprobs for)
+        all_mask = sampled * scored[:, None]
         if args.normalize_rewards:
             all_scores = whiten(all_scores.nan_to_num(), scored.float()).clamp(
                 -args.reward_clip_range, args.reward_clip_range).masked_fill(~scored, math.nan)
@@ -438,6 +459,12 @@ def main(args: Args):
             input_ids, attention_mask, old_logps, sampler_logps))
         mask = all_mask
 
+        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
+        is_weights, is_stats = torch.ones_like(old_logps), {}
+        if sampler is not None and args.vllm_importance_sampling_cap:
+            is_weights, is_stats = vllm_importance_weights(old_logps, sampler_logps, sampled, mode=args.vllm_importance_sampling_mode,
+                                                           low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
         stats = defaultdict(float)  # name -> sum over micro-batches
         entropy_sum = torch.zeros((), device=accelerator.device)
@@ -450,11 +477,8 @@ def main(args: Args):
                     with accelerator.accumulate(model):
                         logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
                                                           args.temperature, entropy=True)
-                        is_weights = 1.0  # truncated importance sampling (Yao et al. 2025): vLLM's pi differs slightly
-                        if sampler is not None and args.vllm_importance_sampling_cap:
-                            is_weights = torch.exp(old_logps[idx] - sampler_logps[idx]).clamp(max=args.vllm_importance_sampling_cap)
                         loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
-                                                         cliprange=args.cliprange, token_weights=is_weights,
+                                                         cliprange=args.cliprange, token_weights=is_weights[idx],
                                                          loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,
                                                          sapo_temperature_neg=args.sapo_temperature_neg)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
@@ -495,6 +519,7 @@ def main(args: Args):
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
+        metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": r}
                                  for p, t, r in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
