@@ -25,7 +25,6 @@ Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang
 """
 
 import math
-import os
 import random
 import time
 from collections import defaultdict
