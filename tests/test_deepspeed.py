@@ -54,6 +54,21 @@ def assert_same_losses(a_log, b_log, keys, steps, tolerance=1e-5):
     assert compared == set(keys)
 
 
+def assert_matches_one_process(out_dir, one, script, keys, tolerance, label):
+    """The run in `out_dir` logged the 1-process run's `keys` at steps 1-2 and saved its weights, whole and
+    loadable the `from_pretrained` way; prints the largest differences. Returns (log, weights)."""
+    log, reference_log = read_log(out_dir), read_log(one)
+    assert_same_losses(log, reference_log, keys, [1, 2], tolerance)
+    weights, reference = saved_weights(out_dir, script), saved_weights(one, script)
+    assert weights.keys() == reference.keys()
+    for name in weights:
+        assert torch.allclose(weights[name], reference[name], atol=tolerance), name
+    rows = [(x, y) for x, y in zip(log, reference_log) if x["step"] == y["step"]]
+    print(f"\n{script} {label}:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
+          "weights:", max((weights[k] - reference[k]).abs().max().item() for k in weights))
+    return log, weights
+
+
 _one_process = {}
 
 
@@ -80,19 +95,10 @@ def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, s
     common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
               "--gradient_accumulation_steps", "1"]
     out = run_script(*common, "--output_dir", str(tmp_path / "ds"), launcher=launcher(stage)).stdout
-    log = read_log(str(tmp_path / "ds"))
-    tolerance = TOLERANCE.get(script, 1e-5)
-    assert_same_losses(log, read_log(one), keys, [1, 2], tolerance)
+    log, ds = assert_matches_one_process(str(tmp_path / "ds"), one, script, keys, TOLERANCE.get(script, 1e-5),
+                                         f"zero{stage}")
     assert "--- samples at step 2 ---" in out
     assert sorted(os.listdir(tmp_path / "ds" / "checkpoints")) == ["step_1", "step_2"]
-    # the saved model is whole, loads the `from_pretrained` way, and is the 1-process run's model
-    ds, reference = saved_weights(str(tmp_path / "ds"), script), saved_weights(one, script)
-    assert ds.keys() == reference.keys()
-    for name in ds:
-        assert torch.allclose(ds[name], reference[name], atol=tolerance), name
-    rows = [(x, y) for x, y in zip(log, read_log(one)) if x["step"] == y["step"]]
-    print(f"\n{script} zero{stage}:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
-          "weights:", max((ds[k] - reference[k]).abs().max().item() for k in ds))
     if stage == 3:  # resumed from the checkpoint of step 1, the run ends where the uninterrupted one ended
         run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
                    str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=launcher(stage))

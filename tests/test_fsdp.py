@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
-from tests.test_deepspeed import EVERYTHING_ON, assert_same_losses, model_flags, one_process_run, saved_weights
+from tests.test_deepspeed import (EVERYTHING_ON, assert_matches_one_process, assert_same_losses, model_flags,
+                                  one_process_run, saved_weights)
 from tests.test_multiprocess import CASES, TOLERANCE
 from tests.test_sft import read_log
 
@@ -32,18 +33,10 @@ def test_fsdp2_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_m
     common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
               "--gradient_accumulation_steps", "1"]
     out = run_script(*common, "--output_dir", str(tmp_path / "fsdp"), launcher=LAUNCHER, env=ON_CPU).stdout
-    log, tolerance = read_log(str(tmp_path / "fsdp")), TOLERANCE.get(script, 1e-5)
-    assert_same_losses(log, read_log(one), keys, [1, 2], tolerance)
+    log, fsdp = assert_matches_one_process(str(tmp_path / "fsdp"), one, script, keys, TOLERANCE.get(script, 1e-5), "fsdp2")
     assert "--- samples at step 2 ---" in out
     # sharded for real: accelerate writes an FSDP model's state as torch.distributed.checkpoint shards
     assert "pytorch_model_fsdp_0" in os.listdir(tmp_path / "fsdp" / "checkpoints" / "step_1")
-    fsdp, reference = saved_weights(str(tmp_path / "fsdp"), script), saved_weights(one, script)
-    assert fsdp.keys() == reference.keys()
-    for name in fsdp:
-        assert torch.allclose(fsdp[name], reference[name], atol=tolerance), name
-    rows = [(x, y) for x, y in zip(log, read_log(one)) if x["step"] == y["step"]]
-    print(f"\n{script} fsdp2:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
-          "weights:", max((fsdp[k] - reference[k]).abs().max().item() for k in fsdp))
     if script in ("grpo", "rloo", "ppo", "online_dpo"):  # resumed from step 1, it ends where the first run ended
         run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
                    str(tmp_path / "fsdp" / "checkpoints" / "step_1"), launcher=LAUNCHER, env=ON_CPU)
