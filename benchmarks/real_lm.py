@@ -4,18 +4,20 @@ The tiny TL;DR task shows that the scripts optimise what they are given; this sh
 them teaches a real model something measurable. The task (benchmarks/arithmetic.py, `make_mixed_splits`):
 "What is 7 times 8?", "Subtract 9 from 14.", "Add 3 and 15." (+ and - on numbers to 30, x to 12, two
 wordings each), chat prompts with an exact answer; a reply is right when its last number is the answer
-(`benchmarks.arithmetic:correct`). The untrained model gets about a sixth of them right, greedy.
+(`benchmarks.arithmetic:correct`). The untrained model gets a fifth right, greedy (30 of the first 150
+held out: 22% of sums, 6% of differences, 32% of products), often with the right format and a wrong number.
 
 Each method starts from the same model (SmolLM2-135M-Instruct, built from the PyPI GGUF by
 benchmarks/smollm2.py, or --model_name_or_path) and is launched as a subprocess, as the tiny chain does:
 
 - pairs (once): the start model samples --pair_samples answers to each of the first --pair_prompts
   training questions; each question with a right and a wrong answer gives up to 2 (right, wrong) pairs
-  (those of a tenth of these questions held out for the reward model's accuracy); KTO gets them as unpaired rows;
+  (those of a fifth of these questions held out for the reward model's accuracy); KTO gets them as unpaired rows;
 - sft on the worked answers ("9 * 6 = 54. The answer is 54."); reward, dpo, kto on the pairs;
 - online_dpo, rloo, grpo, ppo scored by the seed's reward model (the exact reward logged, weight 0);
   rloo_exact, grpo_exact scored by the exact reward;
-- evaluate (the start model; then, once a seed's stages are done, its policies in one process): greedy replies to the --n_test held-out
+- evaluate (the start model; then, once a seed's stages are done, its policies in one process): greedy
+  replies to the --n_test held-out
   questions, their accuracy (95% Wilson interval), length in tokens (EOS included) and the mean
   per-token log ratio log pi(y_t) - log pi_start(y_t) over those replies' tokens ("KL to start": on
   greedy replies, not samples, so an estimate of how far the policy moved, not an unbiased KL).
@@ -93,8 +95,9 @@ class Args:
     prompts, 1 seed: checks that every stage runs and the report is written"""
     # budgets
     steps: dict[str, int] = field(default_factory=lambda: {
-        "sft": 30, "reward": 25, "dpo": 25, "kto": 25, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15})
-    """optimizer steps of each script (rollouts for rloo / ppo); grpo_exact and rloo_exact take grpo's and rloo's"""
+        "sft": 30, "reward": 20, "dpo": 20, "kto": 20, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15})
+    """optimizer steps of each script (rollouts for rloo / ppo); grpo_exact and rloo_exact take grpo's and rloo's;
+    sized so that the 2-seed study fits about 90 minutes on 2 cores (README, "Real-model study": how it was estimated)"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 5e-6, "kto": 5e-6, "online_dpo": 5e-6, "rloo": 2e-5, "grpo": 2e-5,
         "ppo": 1e-5})
@@ -146,7 +149,7 @@ def load_model(path: str, threads: int):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer
 
 
-def generate(model, tokenizer, rows: list[dict], max_new_tokens: int, temperature: float = 0.0, batch_size: int = 48):
+def generate(model, tokenizer, rows: list[dict], max_new_tokens: int, temperature: float = 0.0, batch_size: int = 50):
     """[(prompt ids, attention mask, reply ids, reply mask, reply log-probs)] per batch: plain HF generate
     on the chat template (so that it judges the saved folder, not the scripts' own code); the reply mask
     keeps the tokens up to and including the first EOS (pad == EOS here, so the padding after it is EOS
@@ -177,8 +180,9 @@ def make_pairs(args: Args) -> None:
     with open(os.path.join(args.output_dir, "data", "prompts", "train.jsonl")) as f:
         questions = [json.loads(line) for line in f][:args.pair_prompts]
     rows = [q for q in questions for _ in range(args.pair_samples)]
-    replies = [text for _, _, reply, mask, _ in generate(model, tokenizer, rows, args.max_new_tokens, args.pair_temperature)
-               for text in tokenizer.batch_decode(reply.masked_fill(~mask, tokenizer.eos_token_id), skip_special_tokens=True)]
+    replies = []
+    for _, _, reply, mask, _ in generate(model, tokenizer, rows, args.max_new_tokens, args.pair_temperature):
+        replies += tokenizer.batch_decode(reply.masked_fill(~mask, tokenizer.eos_token_id), skip_special_tokens=True)
     right = arithmetic.correct(replies, [r["answer"] for r in rows])
     pairs = []
     for i, q in enumerate(questions):
@@ -188,7 +192,7 @@ def make_pairs(args: Args) -> None:
         pairs.append([{"prompt": q["prompt"], "chosen": [{"role": "assistant", "content": g}],
                        "rejected": [{"role": "assistant", "content": b}]} for g, b in list(zip(good, bad))[:2]])
     paired = [q for q in pairs if q]
-    n_test = max(1, len(paired) // 10)  # the reward model's held-out pairs: those of the last tenth of these questions
+    n_test = max(1, len(paired) // 5)  # the reward model's held-out pairs: those of the last fifth of these questions
     train, test = [p for q in paired[:-n_test] for p in q], [p for q in paired[-n_test:] for p in q]
     if len(train) < 2 or not test:
         sys.exit(f"error: the start model's answers gave {len(train)} training and {len(test)} held-out right-vs-wrong "
@@ -274,8 +278,8 @@ def script_flags(script: str, args: Args) -> list[str]:
             "kto": ["--per_device_train_batch_size", str(batch), *lengths, "--max_completion_length", "48"],
             "online_dpo": ["--per_device_train_batch_size", str(completions // 2), "--temperature", "0.7",
                            "--max_new_tokens", str(args.max_new_tokens)],
-            "rloo": ["--per_device_train_batch_size", str(completions), "--rloo_k", "4", "--num_ppo_epochs", "1", *online,
-                     "--max_completion_length", str(args.max_new_tokens)],
+            "rloo": ["--per_device_train_batch_size", str(completions), "--rloo_k", "4", "--num_ppo_epochs", "1",
+                     *online, "--max_completion_length", str(args.max_new_tokens)],
             "grpo": ["--per_device_train_batch_size", str(completions), "--num_generations", str(min(8, completions)),
                      *online, "--max_completion_length", str(args.max_new_tokens)],
             "ppo": ["--per_device_train_batch_size", str(completions), "--num_ppo_epochs", "1", *online,
@@ -371,8 +375,9 @@ def markdown(r: dict, args: Args) -> str:
                     f"{' (learned)' if m[name]['learned'] else ''} | {mean(name, 'log_ratio_per_token'):.3f} "
                     f"| {mean(name, 'mean_tokens'):.1f} | {mean(name, 'steps'):.0f} x {mean(name, 's_per_step'):.1f} s "
                     f"| {mean(name, 'seconds'):.0f} + {mean(name, 'eval_seconds'):.0f} |")
-    rm = r["reward_model"]
-    p = r["pairs"]
+    rm, p = r["reward_model"], r["pairs"]
+    rm_accuracy = ", ".join(f"{rm[seed]['heldout_pair_accuracy']:.1%}" for seed in s)
+    rm_seconds = statistics.mean(rm[seed]["seconds"] for seed in s)
     quick = "QUICK MODE (--quick): 2 steps a stage; the numbers only show that the study runs.\n\n" if args.quick else ""
     return f"""# Every method on SmolLM2-135M-Instruct: mixed arithmetic
 
@@ -390,11 +395,11 @@ included. Wall time: training + evaluation of each stage, in seconds (mean over 
 |---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + f"""
 
-Reward model (from the start model, on the pairs): held-out pair accuracy {', '.join(f"{rm[seed]['heldout_pair_accuracy']:.1%}" for seed in s)}
-(seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}; {p['test_pairs']} pairs), {statistics.mean(rm[seed]['seconds'] for seed in s):.0f} s.
-Pairs: the start model answered {p['questions']} training questions {p['samples'] // p['questions']} times each at temperature
-{args.pair_temperature} ({p['sampled_accuracy']:.1%} right); {p['questions_with_a_pair']} questions had a right and a wrong answer:
-{p['train_pairs']} training pairs, {p['test_pairs']} held out ({r['stage_seconds']['pairs']:.0f} s).
+Reward model (from the start model, on the pairs): held-out pair accuracy {rm_accuracy}
+(seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}; {p['test_pairs']} pairs), {rm_seconds:.0f} s.
+Pairs: the start model answered {p['questions']} training questions {p['samples'] // p['questions']} times each at
+temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right); {p['questions_with_a_pair']} questions had a right
+and a wrong answer: {p['train_pairs']} training pairs, {p['test_pairs']} held out ({r['stage_seconds']['pairs']:.0f} s).
 
 Budgets: steps {json.dumps(args.steps)}; learning rates {json.dumps(args.learning_rates)}; every online step
 samples {4 if args.quick else 16} completions (temperature 0.7, at most {args.max_new_tokens} tokens); offline steps take
