@@ -21,6 +21,7 @@ saved model; the summary goes to benchmarks/results/smollm2_arithmetic.{json,md}
 """
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -50,6 +51,36 @@ def make_splits(n_test: int = 200, seed: int = 0) -> tuple[list[dict], list[dict
     random.Random(seed).shuffle(questions)
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": answer} for q, answer in questions]
     return rows[n_test:], rows[:n_test]
+
+
+# The harder task of the real-model study (benchmarks/real_lm.py): subtraction and multiplication as
+# well, two wordings each. The untrained model answers a fifth of the held-out ones right, greedy (30 of
+# the first 150: 22% of sums, 6% of differences, which it often takes the wrong way round, 32% of
+# products), and many misses are a wrong number in the right format, so there is room above a format fix.
+OPERATIONS = {  # symbol: (wordings, operands, result)
+    "+": (["What is {a} + {b}?", "Add {a} and {b}."], [(a, b) for a in range(1, 21) for b in range(1, 21)],
+          lambda a, b: a + b),
+    "-": (["What is {a} - {b}?", "Subtract {b} from {a}."], [(a, b) for a in range(2, 31) for b in range(1, a)],
+          lambda a, b: a - b),
+    "*": (["What is {a} times {b}?", "Compute {a} * {b}."], [(a, b) for a in range(2, 13) for b in range(2, 13)],
+          lambda a, b: a * b),
+}
+
+
+def make_mixed_splits(n_test: int = 200, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, test) of the three operations: every (wording, operands) once, each operation shuffled
+    with the seed, then dealt in turn (+, -, *, +, ...) so that the first n_test, held out, hold each
+    operation a third. A row: a conversational `prompt`, the `answer`, and a worked `solution`."""
+    rng = random.Random(seed)
+    per_op = []
+    for op, (wordings, operands, result) in OPERATIONS.items():
+        rows = [{"prompt": [{"role": "user", "content": w.format(a=a, b=b)}], "answer": result(a, b),
+                 "solution": f"{a} {op} {b} = {result(a, b)}. The answer is {result(a, b)}."}
+                for w in wordings for a, b in operands]
+        rng.shuffle(rows)
+        per_op.append(rows)
+    dealt = [row for group in itertools.zip_longest(*per_op) for row in group if row is not None]
+    return dealt[n_test:], dealt[:n_test]
 
 
 def write_jsonl(rows: list[dict], path: str) -> str:

@@ -21,3 +21,12 @@ def test_wilson_interval_against_hand_values():
     low, high = arithmetic.wilson(54, 200)
     assert (low, high) == pytest.approx((0.2131, 0.3353), abs=5e-4)
     assert arithmetic.wilson(0, 10)[0] == 0.0 and arithmetic.wilson(10, 10)[1] == pytest.approx(1.0)
+
+
+def test_mixed_splits_hold_out_each_operation_a_third_and_their_worked_answers_are_right():
+    train, test = arithmetic.make_mixed_splits(n_test=300, seed=0)
+    assert {str(r["prompt"]) for r in test}.isdisjoint(str(r["prompt"]) for r in train)
+    assert [sum(op in r["solution"].split("=")[0] for r in test) for op in "+-*"] == [100, 100, 100]
+    rows = train + test
+    assert arithmetic.correct([r["solution"] for r in rows], [r["answer"] for r in rows]) == [1.0] * len(rows)
+    assert arithmetic.make_mixed_splits(n_test=300, seed=0) == (train, test)

@@ -1,0 +1,42 @@
+"""benchmarks/real_lm.py in quick mode on SmolLM2-135M-Instruct (python -m pytest -m realmodel): every
+stage of the real-model study runs (2 steps each, 8 held-out questions, one seed) and the report,
+its JSON and its figure are written with a row for every method."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import real_lm
+from tests.conftest import run_script
+from tests.test_realmodel import one_thread, smollm2  # noqa: F401  (fixtures: one torch thread, the model)
+
+pytestmark = pytest.mark.realmodel
+
+
+def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path):  # noqa: F811
+    out, results = tmp_path / "study", tmp_path / "results"
+    run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
+               "--results_dir", str(results), timeout=1800)
+
+    # every training stage logged its 2 steps and saved a model; every policy was evaluated
+    for name in real_lm.STAGES:
+        [log] = (out / "seed_1" / name / "logs").glob(f"{name}__1__*.jsonl")
+        with open(log) as f:
+            assert sum("lr" in json.loads(line) for line in f) == 2, name
+        assert (out / "seed_1" / name / "config.json").is_file(), name
+    assert all((out / "seed_1" / name / "real_lm_eval.json").is_file() for name in real_lm.POLICIES)
+
+    with open(results / "real_lm.json") as f:
+        result = json.load(f)
+    assert set(result["methods"]) == set(real_lm.POLICIES)
+    for name, runs in result["methods"].items():
+        run = runs["1"]
+        assert run["n"] == 8 and len(run["correct"]) == 8 and run["mean_tokens"] > 0, name
+        assert 0 <= runs["ci95"][0] <= runs["accuracy"] <= runs["ci95"][1] <= 1, name
+    assert 0 <= result["reward_model"]["1"]["heldout_pair_accuracy"] <= 1
+    assert result["pairs"]["train_pairs"] >= 2 and result["start"]["n"] == 8
+    report = (results / "real_lm.md").read_text()
+    assert "QUICK MODE" in report
+    assert all(f"| {title} |" in report for title in real_lm.TITLES.values())
+    assert os.path.getsize(results / "real_lm.png") > 0
