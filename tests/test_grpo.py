@@ -266,3 +266,16 @@ def test_sapo_entropy_mask_and_overlong_punishment_end_to_end(tmp_path, sft_mode
                "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4", "--output_dir", out)
     log = read_log(out)
     assert log[0]["reward"] == -0.5 and log[0]["completions/clipped_ratio"] == 1.0 and math.isfinite(log[-1]["loss"])
+
+
+def test_top_entropy_quantile_reaches_the_loss(tmp_path, sft_model):
+    """The mask must enter the update (not only top_entropy_mask): the same samples (same seed), rewards that
+    differ, ratio 1 at step 1, so masking 80% of the tokens changes the step-1 loss."""
+    common = dict(model_name_or_path=sft_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"],
+                  max_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1)
+    losses = []
+    for quantile in (1.0, 0.2):
+        out = str(tmp_path / f"q{quantile}")
+        grpo.main(grpo.Args(**common, top_entropy_quantile=quantile, output_dir=out))
+        losses.append(read_log(out)[0]["loss"])
+    assert losses[0] != 0.0 and losses[1] != pytest.approx(losses[0], rel=1e-3), losses
