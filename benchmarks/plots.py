@@ -108,23 +108,27 @@ def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: st
     save(fig, path)
 
 
-def frontier(points: dict[str, list[tuple]], sft: tuple[float, float], oracle: float, path: str):
-    """Gold score against KL(pi || SFT), one line per method through its KL strengths (points:
-    {method: [(kl, gold score, win rate, scale), ...]}; the label at each point is its scale), the SFT
-    model at KL 0 and the oracle's gold score as a line."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, pts in points.items():
-        pts = sorted(pts, key=lambda p: p[0])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[name], label=name)
-        for kl, gold, _, scale in pts:
-            ax.annotate(f"x{scale:g}", (kl, gold), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.plot([sft[0]], [sft[1]], "s", color=COLORS["sft"], label="SFT")
-    ax.axhline(oracle, color="k", linestyle="--", linewidth=1, label="oracle (gold-optimal)")
-    ax.set_xscale("symlog", linthresh=0.1)
-    ax.set_xlabel("KL(policy || SFT) per summary (nats)")
-    ax.set_ylabel("gold score of the greedy test summaries")
-    ax.set_title("KL-reward frontier (labels: multiple of the default KL strength)", fontsize=10)
-    ax.legend(fontsize=7)
+def frontier(paths: dict[str, dict[float, list[tuple]]], sft: float, oracle: float, path: str):
+    """Gold score against KL(pi || SFT), one panel per method and in it one line per KL strength through
+    the run's checkpoints (paths: {method: {scale: [(step, kl, gold score), ...]}}, the first point the
+    SFT model at KL 0, the last the final model, labelled with its scale), the oracle's gold score as a line."""
+    fig, axes = plt.subplots(2, 3, figsize=(11, 6.5), sharex=True, sharey=True)
+    styles = ["o:", "o-", "o--", "o-."]
+    for ax, (name, runs) in zip(axes.flat, paths.items()):
+        for style, (scale, pts) in zip(styles, sorted(runs.items())):
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], style, color=COLORS[name], markersize=3, label=f"x{scale:g}")
+            ax.annotate(f"x{scale:g}", pts[-1][1:], fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.plot([0], [sft], "s", color=COLORS["sft"])
+        ax.axhline(oracle, color="k", linestyle="--", linewidth=1)
+        ax.set_title(name, fontsize=10)
+        ax.set_xscale("symlog", linthresh=0.1)
+        ax.legend(fontsize=7, title="KL strength", title_fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("KL(policy || SFT) per summary (nats)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("gold score (greedy)")
+    fig.suptitle("KL-reward frontier along training (square: SFT; dashed: oracle; a point every fifth of the steps)",
+                 fontsize=10)
     save(fig, path)
 
 

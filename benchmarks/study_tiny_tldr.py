@@ -7,23 +7,28 @@
    budget when the half-budget mean win rate is below the full-budget mean by more than 2 std (of the
    full-budget seeds); and it separates two methods when their mean ± std intervals do not overlap.
 3. KL-reward frontier: each method with its KL strength (DPO/KTO/GRPO/online DPO beta, RLOO/PPO
-   kl_coef) times each of --kl_scales, on --frontier_seed's SFT and reward models; gold score of the
-   greedy summaries against KL(pi || SFT) per summary (as in Rafailov et al. 2023, Fig. 2, and Gao et
-   al. 2022). Scale 1 is that seed's main run.
+   kl_coef) times 1 and each of --kl_scales, on --frontier_seed's SFT and reward models, saving a
+   checkpoint every fifth of its steps; the gold score of the greedy summaries against KL(pi || SFT)
+   per summary of every checkpoint, so that each run draws its path from the SFT model (as in Rafailov
+   et al. 2023, Fig. 2, and Gao et al. 2022). The x1 runs repeat the seed's main runs (same arguments
+   but the checkpoints), so their final models must score as those do.
 4. Over-optimisation: a reward model from only --overopt_pairs preference pairs, then GRPO without a
    KL penalty (beta 0), with a larger learning rate, for --overopt_completions completions, beside the
    same GRPO on the full reward model: the reward model's score and the gold score of the samples
    along training.
 
     python benchmarks/study_tiny_tldr.py          # about 60-70 minutes on 2 cores
+    python benchmarks/study_tiny_tldr.py --frontier_only   # seed 1's SFT and reward model, then the frontier
     python benchmarks/study_tiny_tldr.py --max_steps 2 --eval_prompts 16 --kl_prompts 8 \\
         --output_dir /tmp/study --results /tmp/study/tiny_tldr_study.md   # quick check that it runs
 
 Writes benchmarks/results/tiny_tldr_study.md (the tables) and its figures beside it:
 tiny_tldr_study_win_rate.png, _training.png, _rm_vs_gold.png, _sample_efficiency.png (the seeds),
-tiny_tldr_study_frontier.png and tiny_tldr_study_overoptimisation.png.
+tiny_tldr_study_overoptimisation.png; the frontier's tables go to tiny_tldr_study_frontier.md (and .json),
+its figure to tiny_tldr_study_frontier.png.
 """
 
+import datetime
 import importlib
 import json
 import os
@@ -62,6 +67,8 @@ class StudyArgs(Args):
     """over-optimisation: GRPO's learning rate (its default is 3e-5)"""
     results: str = os.path.join(ROOT, "benchmarks", "results", "tiny_tldr_study.md")
     """markdown file the tables are written to; the figures go beside it (<name>_*.png)"""
+    frontier_only: bool = False
+    """train and report only the frontier (--frontier_seed's SFT and reward model first): <results>_frontier.md"""
     report_only: bool = False
     """write the tables and figures from a finished study in --output_dir without training anything"""
 
@@ -92,8 +99,56 @@ def interval_overlaps(a: list[float], b: list[float]) -> bool:
     return ma - sa <= mb + sb and mb - sb <= ma + sa
 
 
+def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str, total: float, main_runs: bool) -> str:
+    """The frontier's tables (<results>_frontier.md and .json) and figure (.png) from the evaluations of
+    the runs in `frontier_dirs` {scale: dir} and their checkpoints; returns the tables' path."""
+    start = read_eval(seed_dir, ["sft"])  # the SFT model (KL 0) and the oracle
+    finals, paths = {m: [] for m in METHODS}, {m: {} for m in METHODS}  # [(kl, gold, win, scale)]; {scale: [(step, kl, gold)]}
+    for x, run_dir in frontier_dirs.items():
+        for m in METHODS:
+            e = read_eval(run_dir, [m])[m]
+            finals[m].append((e["kl"], e["gold_score"], e["win_rate"], x))
+            saved = [(c["step"], c["kl"], c["gold_score"]) for c in e["along_training"]]
+            last = [] if any(c["final"] for c in e["along_training"]) else [("end", e["kl"], e["gold_score"])]
+            paths[m][x] = [(0, 0.0, start["sft"]["gold_score"]), *saved, *last]
+    scales = list(frontier_dirs)
+    lines = ["# Tiny TL;DR: the KL-reward frontier along training", "",
+             f"Produced {datetime.date.today().isoformat()} by `python benchmarks/study_tiny_tldr.py"
+             f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores, in {total / 60:.0f} minutes "
+             f"({args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT and reward model; each method's KL "
+             f"strength times {', '.join(f'{x:g}' for x in scales)} (defaults: "
+             + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS) + "), a checkpoint every fifth of its "
+             "steps. Each checkpoint is evaluated as the finished policies are: KL(pi || SFT) per summary in nats "
+             f"(temperature-1 samples of the first {args.kl_prompts} test prompts) and the gold score of the greedy "
+             f"summaries of the first {args.eval_prompts} (SFT: {start['sft']['gold_score']:.2f}, oracle "
+             f"{start['oracle']['gold_score']:.2f}).", "", "Final models: KL / gold score / win rate.", "",
+             "| method | " + " | ".join(f"x{x:g}" for x in scales) + " |", "|---|" + "---|" * len(scales)]
+    for m in METHODS:
+        lines.append(f"| {STAGES[m][2]} | " + " | ".join(f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in finals[m]) + " |")
+    lines += ["", "Along training, step: KL / gold score (step 0 is the SFT model; end: the final model, where "
+              "the last checkpoint is not it):", "", "| method | x | path |", "|---|---|---|"]
+    for m in METHODS:
+        for x in scales:
+            lines.append(f"| {STAGES[m][2]} | {x:g} | "
+                         + " → ".join(f"{step}: {kl:.2f} / {g:.2f}" for step, kl, g in paths[m][x]) + " |")
+    if main_runs:  # the x1 runs have the main runs' arguments (and checkpoints): the same final models
+        same = [m for m in METHODS if read_eval(frontier_dirs[1.0], [m])[m] | {"along_training": None}
+                == read_eval(seed_dir, [m])[m] | {"along_training": None}]
+        lines += ["", f"The x1 runs repeat seed {fs}'s main runs: identical evaluations for {len(same)} of {len(METHODS)} "
+                  f"methods ({', '.join(same) or 'none'})."]
+    stem = os.path.splitext(args.results)[0] + "_frontier"
+    lines += ["", f"Figure: `{os.path.basename(stem)}.png`."]
+    plots.frontier(paths, start["sft"]["gold_score"], start["oracle"]["gold_score"], stem + ".png")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({"finals": finals, "paths": paths, "seconds": total}, f, indent=1)
+    print("\n".join(lines))
+    return stem + ".md"
+
+
 def main(args: StudyArgs):
-    if len(args.seeds) < 2:
+    if len(args.seeds) < 2 and not args.frontier_only:
         sys.exit("the study needs at least 2 seeds (the table's std and the resolving power)")
     out = os.path.abspath(args.output_dir)
     done_file = os.path.join(out, "stages.json")  # written when every stage has finished
@@ -110,27 +165,33 @@ def main(args: StudyArgs):
     # ---- 1. the chain of every seed ----
     for seed, run_dir in seed_dirs.items():
         chain_stages(run_dir, seed, run_name, args, stages)
+    if args.frontier_only:  # only what the frontier starts from
+        stages = {k: v for k, v in stages.items() if k in [(fs, "sft"), (fs, "reward"), (fs, "evaluate_sft")]}
 
     # ---- 2. half budgets: every method from the same seed's SFT and reward models ----
     batch = 16  # DPO's and KTO's rows per step (their default)
-    half_steps = {m: args.completions // SAMPLES_PER_STEP[m] // 2 for m in SAMPLES_PER_STEP}
-    half_steps.update({m: train_pairs() * rows // batch // 2 for m, rows in UNPAIRED_ROWS.items()})
+    steps = {m: args.completions // SAMPLES_PER_STEP[m] for m in SAMPLES_PER_STEP}
+    steps.update({m: train_pairs() * rows // batch for m, rows in UNPAIRED_ROWS.items()})
+    half_steps = {m: n // 2 for m, n in steps.items()}
     half_dirs = {s: linked_dir(os.path.join(out, "half", f"seed_{s}"), seed_dirs[s]) for s in args.seeds}
-    for seed, run_dir in half_dirs.items():
+    for seed, run_dir in half_dirs.items() if not args.frontier_only else ():
         for m in METHODS:
             needs = [(seed, n) for n in STAGES[m][1]]
             stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m]),
                                        needs, os.path.join(run_dir, "logs", f"{m}.log"))
             stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args, [(seed, "reward"), ("half", seed, m)])
 
-    # ---- 3. the frontier: each method's KL strength scaled ----
-    frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs]) for x in args.kl_scales}
+    # ---- 3. the frontier: each method's KL strength scaled, a checkpoint every fifth of the steps ----
+    frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs])
+                     for x in sorted({1.0, *args.kl_scales})}
     for x, run_dir in frontier_dirs.items():
         for m in METHODS:
-            flag = ["--" + KL_FLAGS[m], f"{default_kl(m) * x:g}"]
-            stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, extra=tuple(flag)),
+            every = max(1, (steps[m] if args.max_steps <= 0 else args.max_steps) // 5)
+            flags = ("--" + KL_FLAGS[m], f"{default_kl(m) * x:g}", "--save_steps", str(every), "--save_total_limit", "5")
+            stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, extra=flags),
                                         [(fs, n) for n in STAGES[m][1]], os.path.join(run_dir, "logs", f"{m}.log"))
-            stages["frontier", x, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args, [(fs, "reward"), ("frontier", x, m)])
+            argv, needs, log = evaluate_stage(run_dir, m, args, [(fs, "reward"), ("frontier", x, m)])
+            stages["frontier", x, f"evaluate_{m}"] = ([*argv, "--checkpoints"], needs, log)
 
     # ---- 4. over-optimisation: a reward model from few pairs, GRPO without KL on it and on the full one ----
     overopt_dir = os.path.join(out, "overopt")
@@ -142,13 +203,15 @@ def main(args: StudyArgs):
         [(fs, "sft")], os.path.join(overopt_dir, "logs", "reward_small.log"))
     overopt_runs = {"small RM, beta 0": ("grpo_small_rm", small_rm, [("overopt", "reward")]),
                     "full RM, beta 0": ("grpo_full_rm", os.path.join(seed_dirs[fs], "reward"), [(fs, "reward")])}
-    for name, rm, needs in overopt_runs.values():
+    for name, rm, needs in overopt_runs.values() if not args.frontier_only else ():
         argv = stage_argv("grpo", seed_dirs[fs], fs, run_name("overopt", name), args,
                           args.overopt_completions // SAMPLES_PER_STEP["grpo"],
                           ("--beta", "0", "--learning_rate", f"{args.overopt_learning_rate:g}"))
         argv[argv.index("--output_dir") + 1] = os.path.join(overopt_dir, name)
         argv[argv.index("--reward_model_paths") + 1] = rm
         stages["overopt", name] = (argv, [(fs, "sft"), *needs], os.path.join(overopt_dir, "logs", f"{name}.log"))
+    if args.frontier_only:
+        del stages["overopt", "reward"]
 
     if finished:
         seconds = {tuple(json.loads(k)): v for k, v in finished["seconds"].items()}
@@ -160,8 +223,11 @@ def main(args: StudyArgs):
             json.dump({"stamp": stamp, "base_seconds": base_seconds, "total": total,
                        "seconds": {json.dumps(list(k)): v for k, v in seconds.items()}}, f)
 
-    # ---- REPORT: the seeds' table and figures, then the study's own sections ----
+    # ---- REPORT: the seeds' table and figures, the frontier (its own file), then the study's own sections ----
+    if args.frontier_only:
+        return frontier_report(args, fs, frontier_dirs, seed_dirs[fs], total, main_runs=False)
     numbers = report(args, seed_dirs, run_name, seconds, base_seconds, total)
+    frontier_file = frontier_report(args, fs, frontier_dirs, seed_dirs[fs], total, main_runs=True)
     full = {m: [numbers[s][m]["win_rate"] for s in args.seeds] for m in METHODS}
     half = {m: [read_eval(d, [m])[m]["win_rate"] for d in half_dirs.values()] for m in METHODS}
     lines = ["", "## Resolving power", "",
@@ -182,23 +248,9 @@ def main(args: StudyArgs):
               f"do not overlap ({len(apart)} of {len(METHODS) * (len(METHODS) - 1) // 2}): "
               + (", ".join(f"{STAGES[a][2]} / {STAGES[b][2]}" for a, b in apart) or "none") + "."]
 
-    frontier = {m: [] for m in METHODS}  # (kl, gold score, win rate, scale)
-    for x, run_dir in [(1.0, seed_dirs[fs]), *frontier_dirs.items()]:
-        for m in METHODS:
-            e = read_eval(run_dir, [m])[m]
-            frontier[m].append((e["kl"], e["gold_score"], e["win_rate"], x))
-    sft_eval = numbers[fs]["sft"]
-    lines += ["", "## KL-reward frontier", "",
-              f"Seed {fs}; each method's KL strength times {', '.join(f'{x:g}' for x in sorted([1.0, *args.kl_scales]))} "
-              "(defaults: " + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS) + "). "
-              "KL(pi || SFT) per summary in nats, gold score of the greedy test summaries, win rate.", "",
-              "| method | " + " | ".join(f"x{x:g}: KL / gold / win" for x in sorted([1.0, *args.kl_scales])) + " |",
-              "|---|" + "---|" * (len(args.kl_scales) + 1)]
-    for m in METHODS:
-        cells = [f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in sorted(frontier[m], key=lambda p: p[3])]
-        lines.append(f"| {STAGES[m][2]} | " + " | ".join(cells) + " |")
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
-    plots.frontier(frontier, (0.0, sft_eval["gold_score"]), numbers[fs]["oracle"]["gold_score"], figure("frontier"))
+    lines += ["", "## KL-reward frontier", "", f"In `{os.path.basename(frontier_file)}`: each method's gold score against "
+              "its KL to the SFT model along training, at several KL strengths, and its figure.", ""]
 
     overopt = {name: read_log(os.path.join(overopt_dir, run, "logs", f"{run_name('overopt', run)}.jsonl"))[1]
                for name, (run, _, _) in overopt_runs.items()}
@@ -212,13 +264,13 @@ def main(args: StudyArgs):
     for name, records in overopt.items():
         lines.append(f"| {name} | {fifths([records], 'reward')} | {fifths([records], GOLD_KEY)} |")
     plots.overoptimisation(overopt, "reward", figure("overoptimisation"))
-    lines += ["", f"Figures: `{os.path.basename(figure('frontier'))}`, `{os.path.basename(figure('overoptimisation'))}`.",
+    lines += ["", f"Figure: `{os.path.basename(figure('overoptimisation'))}`.",
               "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each)."]
     with open(args.results, "a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     with open(os.path.splitext(args.results)[0] + ".json", "w") as f:
-        json.dump({"seeds": numbers, "half": half, "frontier": frontier, "seconds": total,
+        json.dump({"seeds": numbers, "half": half, "seconds": total,
                    "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r[GOLD_KEY]}
                                    for r in v] for k, v in overopt.items()}}, f, indent=1, default=str)
 

@@ -7,12 +7,14 @@ for the oracle, the gold-optimal summaries (`tiny_tldr.oracle_summary`). Writes 
     python benchmarks/tiny_tldr_eval.py --run_dir output/tiny_tldr --policies sft dpo ppo
 """
 
+import glob
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
 import tyro
+from safetensors.torch import load_file
 
 from benchmarks import tiny_tldr
 from common.data import encode_prompt
@@ -35,6 +37,9 @@ class Args:
     """token budget of every completion (the scripts' default)"""
     batch_size: int = 64
     """prompts per generate call"""
+    checkpoints: bool = False
+    """also evaluate every checkpoint of each policy's run (<run_dir>/<policy>/checkpoints/step_<n>), into
+    metrics["along_training"]: [{"step": n, ...}, ...] by step"""
     out: str | None = None
     """JSON file written (default <run_dir>/eval.json)"""
 
@@ -81,6 +86,17 @@ def evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer
             "num_prompts": len(rows), "kl_prompts": n}
 
 
+def load_checkpoint(path: str, checkpoint: str):
+    """The policy saved in <path> with the weights of one of its run's checkpoints (common/checkpoint.py:
+    accelerate's save_state of the prepared model; PPO's holds policy.* and value_model.*)."""
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    if any(k.startswith("policy.") for k in state):
+        state = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
+    policy = load_policy(path, load_tokenizer(path))
+    policy.load_state_dict(state)  # strict: every weight, no more
+    return policy.eval()
+
+
 def main(args: Args):
     with open(os.path.join(tiny_tldr.build(), "tldr", "test.jsonl")) as f:
         rows = [json.loads(line) for line in f][:args.num_prompts]
@@ -103,6 +119,16 @@ def main(args: Args):
         policy = sft if name == "sft" else load_policy(path, tokenizer).eval()
         results[name] = evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer, args)
         print(f"{name}: " + "  ".join(f"{k}={v:.4g}" for k, v in results[name].items()), flush=True)
+        if not args.checkpoints:
+            continue
+        saved, results[name]["along_training"] = glob.glob(os.path.join(path, "checkpoints", "step_*")), []
+        for checkpoint in sorted(saved, key=lambda c: int(c.rsplit("_", 1)[1])):
+            model, step = load_checkpoint(path, checkpoint), int(checkpoint.rsplit("_", 1)[1])
+            same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), policy.state_dict().values()))
+            metrics = ({k: v for k, v in results[name].items() if k != "along_training"} if same else
+                       evaluate_policy(model, tokenizer, rows, sft, reward_model, reward_tokenizer, args))
+            results[name]["along_training"].append({"step": step, "final": same, **metrics})
+            print(f"{name} step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)
     out = args.out or os.path.join(args.run_dir, "eval.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

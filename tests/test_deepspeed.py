@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from common.checkpoint import Checkpointer
 from common.runtime import UserError
 from tests.conftest import ROOT, run_script
-from tests.test_multiprocess import CASES, QUIET, TOLERANCE
+from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run
 from tests.test_sft import read_log
 
 EVERYTHING_ON = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1"]
@@ -30,11 +30,6 @@ def launcher(stage: int):
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(ROOT, "configs", f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
             "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-def model_flags(script, sft_model, rm_model):
-    flags = [] if script == "sft" else ["--model_name_or_path", sft_model]
-    return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
 
 
 def saved_weights(path, script):
@@ -67,21 +62,6 @@ def assert_matches_one_process(out_dir, one, script, keys, tolerance, label):
     print(f"\n{script} {label}:", {k: max(abs(x[k] - y[k]) for x, y in rows if k in x and k in y) for k in keys},
           "weights:", max((weights[k] - reference[k]).abs().max().item() for k in weights))
     return log, weights
-
-
-_one_process = {}
-
-
-def one_process_run(script, sft_model, rm_model, tmp_path_factory):
-    """The reference: 1 process, no DeepSpeed, 2 micro-batches of accumulation (once per script)."""
-    if script not in _one_process:
-        out = tmp_path_factory.mktemp(f"one_{script}")
-        flags, _ = CASES[script]
-        run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *model_flags(script, sft_model, rm_model),
-                   *flags, *QUIET.get(script, []),
-                   "--gradient_accumulation_steps", "2", "--output_dir", str(out))
-        _one_process[script] = str(out)
-    return _one_process[script]
 
 
 @pytest.mark.deepspeed

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
-from tests.test_deepspeed import (EVERYTHING_ON, assert_matches_one_process, assert_same_losses, model_flags,
-                                  one_process_run, saved_weights)
-from tests.test_multiprocess import CASES, TOLERANCE
+from tests.test_deepspeed import EVERYTHING_ON, assert_matches_one_process, assert_same_losses, saved_weights
+from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run
 from tests.test_sft import read_log
 
 LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", "fsdp2.yaml"),

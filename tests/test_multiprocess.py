@@ -4,7 +4,8 @@ accumulation instead of 2 ranks): the logged losses of the first steps agree to 
 for the online scripts too, because each completion is sampled with a seed given by its place in
 the run, and rollouts are updated in micro-batches drawn from one global shuffle.
 
-Not in the default run (~6 min on 2 cores): `python -m pytest -m multiproc`; .ci/run runs them."""
+Not in the default run (~3 min on 2 cores): `python -m pytest -m multiproc`; .ci/run runs them in one
+session with the DeepSpeed and FSDP2 tests, which compare against the same 1-process runs."""
 
 import os
 import sys
@@ -40,15 +41,32 @@ QUIET = {"sft": ["--num_sample_generations", "0"], "reward": ["--num_sample_pair
          "dpo": ["--dataset_test_split", ""], "kto": ["--dataset_test_split", ""]}
 
 
+def model_flags(script, sft_model, rm_model):
+    flags = [] if script == "sft" else ["--model_name_or_path", sft_model]
+    return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
+
+
+_one_process = {}
+
+
+def one_process_run(script, sft_model, rm_model, tmp_path_factory):
+    """The reference: 1 process, 2 micro-batches of accumulation, QUIET (once per script and session: the
+    DeepSpeed and FSDP2 tests compare against the same runs when .ci/run runs them in one session)."""
+    if script not in _one_process:
+        out = tmp_path_factory.mktemp(f"one_{script}")
+        flags, _ = CASES[script]
+        run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *model_flags(script, sft_model, rm_model),
+                   *flags, *QUIET.get(script, []), "--gradient_accumulation_steps", "2", "--output_dir", str(out))
+        _one_process[script] = str(out)
+    return _one_process[script]
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("script", list(CASES))
-def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
+def test_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, rm_model, script):
     flags, keys = CASES[script]
-    model = [] if script == "sft" else ["--model_name_or_path", sft_model]
-    if script == "ppo":
-        model += ["--reward_model_path", rm_model]
-    quiet = ["--logging_steps", "1", *QUIET.get(script, [])]
-    common = [f"algos/{script}.py", "--max_steps", "2", *quiet, *model, *flags]
+    common = [f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *QUIET.get(script, []),
+              *model_flags(script, sft_model, rm_model), *flags]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     os.environ["ACCELERATE_USE_CPU"] = "true"
@@ -56,8 +74,8 @@ def test_two_processes_match_one_process(tmp_path, sft_model, rm_model, script):
         run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=launcher)
     finally:
         del os.environ["ACCELERATE_USE_CPU"]
-    run_script(*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
-    two, one = read_log(str(tmp_path / "two")), read_log(str(tmp_path / "one"))
+    one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
+    two, one = read_log(str(tmp_path / "two")), read_log(one)
     assert len(two) == len(one) >= 2
     for a, b in zip(two, one):
         for key in keys:

@@ -14,7 +14,7 @@ import torch
 import tyro
 
 from benchmarks import run_tiny_tldr, study_tiny_tldr
-from benchmarks.tiny_tldr_eval import sequence_kl
+from benchmarks.tiny_tldr_eval import load_checkpoint, sequence_kl
 from tests.conftest import FixedLogits, run_script
 from tests.test_sft import read_log
 
@@ -55,6 +55,27 @@ def test_sequence_kl_mean_over_samples_estimates_the_exact_kl():
                      completion_ids, torch.ones_like(completion_ids), batch_size=5000)
     assert abs(kl.mean().item() - exact) < 4 * kl.std().item() / math.sqrt(n)
     assert exact > 0.1  # the two tables differ enough for the check to mean something
+
+
+@pytest.mark.parametrize("prefix", ["", "policy."], ids=["policy", "ppo"])
+def test_load_checkpoint_puts_the_checkpoints_weights_into_the_saved_policy(prefix, tiny_model, tokenizer, tmp_path):
+    # a checkpoint is accelerate's save_state of the prepared model: PPO's holds policy.* and value_model.*;
+    # the loaded policy must have the checkpoint's weights, not the final model's (issue 27, the frontier)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(tiny_model)
+    final.save_pretrained(tmp_path / "run")
+    tokenizer.save_pretrained(tmp_path / "run")
+    earlier = {k: v + 0.5 for k, v in final.state_dict().items()}
+    state = {prefix + k: v.clone() for k, v in earlier.items()}
+    if prefix:  # the value model's weights, not the policy's
+        state.update({"value_model." + k: torch.zeros_like(v) for k, v in earlier.items()})
+    os.makedirs(tmp_path / "run" / "checkpoints" / "step_3")
+    save_file(state, str(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors"))
+    loaded = load_checkpoint(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints" / "step_3")).state_dict()
+    assert loaded.keys() == earlier.keys()
+    assert all(torch.equal(loaded[k], earlier[k]) for k in earlier)
 
 
 class Launched(Exception):
@@ -170,6 +191,16 @@ def test_quick_study_writes_its_sections_and_figures(tmp_path):
     text = results.read_text()
     for section in ("## Resolving power", "## KL-reward frontier", "## Over-optimisation"):
         assert section in text
+    # the frontier, along training: every run saved a checkpoint a step (2 steps: a fifth is < 1), each
+    # evaluated; the last one holds the final model's weights (PPO's too, saved with its value model)
+    frontier = (tmp_path / "results" / "study_frontier.md").read_text()
+    for m in ("dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"):
+        for x in ("x1", "x4"):
+            saved = json.load(open(tmp_path / "out" / "frontier" / x / "eval" / f"{m}.json"))[m]["along_training"]
+            assert [(c["step"], c["final"]) for c in saved] == [(1, False), (2, True)], (m, x)
+    assert re.search(r"^\| GRPO \| 4 \| 0: 0\.00 / -?[\d.]+ → 1: -?[\d.]+ / -?[\d.]+ → 2: ", frontier, re.M)
+    # the x1 runs are the main runs again, with checkpoints: the same final models
+    assert "identical evaluations for 6 of 6 methods" in frontier
     for method in ("DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO"):
         assert re.search(rf"^\| {method} \| [\d.]+% ± [\d.]+% \| [\d.]+% ± [\d.]+% \|", text, re.M), method
     for name in ("frontier", "overoptimisation", "win_rate", "sample_efficiency"):
