@@ -318,9 +318,12 @@ def study_stages(args: Args) -> dict:
             stages[seed, name] = (stage_argv(name, seed, run_dir, args),
                                   [n if n == "pairs" else (seed, n) for n in needs],
                                   os.path.join(run_dir, "logs", f"{name}.log"))
-        stages[seed, "evaluate"] = ([*me, "--stage", "evaluate", "--n_test", str(args.n_test), "--stage_models",
-                                     *(os.path.join(run_dir, name) for name in POLICIES)],
-                                    [(seed, name) for name in STAGES], os.path.join(run_dir, "logs", "evaluate.log"))
+        for i in range(args.jobs):  # one evaluation process per lane, each starting once its policies are trained
+            chunk = POLICIES[i::args.jobs]
+            stages[seed, "evaluate", i] = ([*me, "--stage", "evaluate", "--n_test", str(args.n_test), "--stage_models",
+                                            *(os.path.join(run_dir, name) for name in chunk)],
+                                           [(seed, name) for name in chunk],
+                                           os.path.join(run_dir, "logs", f"evaluate_{i}.log"))
     return stages
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 from datasets import Dataset
 
-from algos import kto, reward
+from algos import dpo, kto, reward
 from common.data import NO_SHARED_START, load_split, split_implicit_prompt
 from common.runtime import UserError
 from tests.conftest import run_script
@@ -63,6 +63,21 @@ def test_hh_rlhf_rows_tokenize_for_reward_and_kto(tokenizer):
     limits = kto.Args(max_length=64, max_prompt_length=32, max_completion_length=16)
     examples, skipped = kto.tokenize(rows, tokenizer, limits)
     assert [label for _, _, label in examples] == [True, False] and skipped == {NO_SHARED_START: 2}
+
+
+def test_ultrafeedback_conversations_tokenize_for_dpo_with_the_prompt_split_off(tokenizer):
+    """trl-lib/ultrafeedback_binarized: chosen and rejected are conversations that both hold the user
+    turn, no prompt column. dpo.py splits off the shared user turn as the prompt (rendered by the chat
+    template, with its generation prompt) and learns each reply alone, ending in one EOS."""
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    rows = [{"chosen": user + [{"role": "assistant", "content": "5"}], "score_chosen": 8.0,
+             "rejected": user + [{"role": "assistant", "content": "No idea."}], "score_rejected": 2.0}]
+    examples, skipped = dpo.tokenize(rows, tokenizer, dpo.Args(max_length=64, max_prompt_length=48,
+                                                               max_completion_length=16))
+    assert not skipped and [[tokenizer.decode(ids) for ids in example] for example in examples] == [
+        ["<|user|>What is 2 + 3?\n<|assistant|>", "5<|endoftext|>", "No idea.<|endoftext|>"]]
 
 
 @pytest.mark.parametrize("script", ["reward", "dpo", "kto"])

@@ -1,9 +1,13 @@
 """On a CUDA machine only (marker `gpu`, skipped elsewhere): every script trains a few steps on the
 GPU, from the tiny SFT model, and logs finite losses; bf16 autocast through accelerate included;
-DeepSpeed ZeRO-2 and ZeRO-3 (configs/) for an offline and two online scripts; LoRA with gradient
-checkpointing and bf16."""
+DeepSpeed ZeRO-2 and ZeRO-3 (configs/) for an offline and two online scripts; every script under
+FSDP2 (configs/fsdp2.yaml, bf16 mixed precision) with its checkpoint, samples and evaluation; LoRA with
+gradient checkpointing and bf16. Each launch gets its own port, so that `-n` (pytest-xdist) can run
+them side by side on one GPU."""
 
 import math
+import os
+import socket
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -27,6 +31,12 @@ def flags(script, rm_model):
     return [rm_model if a == "<rm>" else a for a in SCRIPTS[script]]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -45,13 +55,37 @@ def test_script_trains_on_cuda(tmp_path, sft_model, rm_model, script, mixed_prec
 def test_script_trains_under_deepspeed(tmp_path, sft_model, rm_model, script, config):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "out")
-    launcher = ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1"]
+    launcher = ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1",
+                "--main_process_port", free_port()]
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--logging_steps", "1",
                       "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
     print(config, script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log], proc.stdout.strip().splitlines()[-1])
     AutoModelForCausalLM.from_pretrained(out)  # the gathered checkpoint loads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", ["sft.py", *sorted(SCRIPTS)])
+def test_script_trains_under_fsdp2_in_bf16(tmp_path, sft_model, rm_model, script):
+    """configs/fsdp2.yaml as shipped (bf16 mixed precision, sharded checkpoints) on one GPU: a
+    checkpoint after step 1, samples and an evaluation at step 2, and a final model that loads."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = str(tmp_path / "out")
+    launcher = ["accelerate", "launch", "--config_file", "configs/fsdp2.yaml", "--num_processes", "1",
+                "--main_process_port", free_port()]
+    proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "2", "--logging_steps", "1",
+                      "--eval_steps", "2", "--save_steps", "1", "--output_dir", out,
+                      *(flags(script, rm_model) if script in SCRIPTS else []), launcher=launcher)
+    log = [r for r in read_log(out) if "lr" in r]
+    assert len(log) == 2 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
+    assert "pytorch_model_fsdp_0" in os.listdir(os.path.join(out, "checkpoints", "step_1"))
+    assert "--- samples at step 2 ---" in proc.stdout, proc.stdout[-2000:]
+    cls = AutoModelForSequenceClassification if script == "reward.py" else AutoModelForCausalLM
+    weights = cls.from_pretrained(out).state_dict()
+    assert all(t.isfinite().all() for t in weights.values())
+    print("fsdp2 bf16", script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log])
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import real_lm
 from tests.conftest import run_script
-from tests.test_realmodel import one_thread, smollm2  # noqa: F401  (fixtures: one torch thread, the model)
+from tests.test_realmodel import check_run, one_thread, smollm2  # noqa: F401  (fixtures: one torch thread, the model)
 
 pytestmark = pytest.mark.realmodel
 
@@ -26,6 +26,8 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
             assert sum("lr" in json.loads(line) for line in f) == 2, name
         assert (out / "seed_1" / name / "config.json").is_file(), name
     assert all((out / "seed_1" / name / "real_lm_eval.json").is_file() for name in real_lm.POLICIES)
+    for name in ("sft", "dpo", "kto"):  # finite losses; the saved model loads, keeps pad == eos and was trained
+        check_run(str(out / "seed_1" / name), smollm2)
 
     with open(results / "real_lm.json") as f:
         result = json.load(f)

