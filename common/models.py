@@ -4,6 +4,7 @@ import contextlib
 import os
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common.runtime import UserError, check_built
@@ -105,6 +106,11 @@ def reference(accelerator, model, ref_model):
     if ref_model is not None:
         yield ref_model
     else:
+        # FSDP2 sets itself up at its first forward and takes the gradients' dtype from the parameters that need
+        # them then: not in a forward with the adapters off (peft freezes them), or under bf16 mixed precision
+        # backward meets fp32 adapters with bf16 gradients (dpo, kto). Private API, as in generation.py.
+        if isinstance(model, FSDPModule):
+            model._get_fsdp_state()._lazy_init()
         with accelerator.unwrap_model(model).disable_adapter():
             yield model
 

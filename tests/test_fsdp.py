@@ -10,6 +10,7 @@ the DeepSpeed tests, so that both compare against the same 1-process runs."""
 
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -42,3 +43,34 @@ def test_fsdp2_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_m
         assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
         resumed = saved_weights(str(tmp_path / "resumed"), script)
         assert all(torch.allclose(resumed[k], fsdp[k], atol=1e-6) for k in fsdp)
+
+
+def test_lora_reference_first_keeps_fp32_gradients_under_bf16_mixed_precision(tiny_model):
+    """With LoRA the reference is the policy with its adapters off, and peft freezes them meanwhile. If
+    that is FSDP2's first forward (dpo and kto score the reference first), FSDP2 takes no gradient
+    dtype from the frozen adapters, and under bf16 mixed precision backward fails (bf16 gradients for
+    fp32 adapters; seen on an H100). common.models.reference sets FSDP2 up before. One process, gloo."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from common.models import reference
+    from tests.test_gpu import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                               LoraConfig(r=4, target_modules=["query_key_value"]))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for layer in model.base_model.model.gpt_neox.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        ids = torch.arange(16).view(2, 8)
+        with torch.no_grad(), reference(types.SimpleNamespace(unwrap_model=lambda m: m), model, None) as ref:
+            ref(input_ids=ids)
+        model(input_ids=ids).logits.float().mean().backward()
+        grads = {name: p.grad.dtype for name, p in model.named_parameters() if p.grad is not None}
+        assert grads and set(grads.values()) == {torch.float32} and all("lora_" in name for name in grads)
+    finally:
+        dist.destroy_process_group()
