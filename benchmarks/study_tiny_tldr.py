@@ -114,8 +114,8 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
     scales = list(frontier_dirs)
     lines = ["# Tiny TL;DR: the KL-reward frontier along training", "",
              f"Produced {datetime.date.today().isoformat()} by `python benchmarks/study_tiny_tldr.py"
-             f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores, in {total / 60:.0f} minutes "
-             f"({args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT and reward model; each method's KL "
+             f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores (the whole command: {total / 60:.0f} "
+             f"minutes, {args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT and reward model; each method's KL "
              f"strength times {', '.join(f'{x:g}' for x in scales)} (defaults: "
              + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS) + "), a checkpoint every fifth of its "
              "steps. Each checkpoint is evaluated as the finished policies are: KL(pi || SFT) per summary in nats "
@@ -173,8 +173,9 @@ def main(args: StudyArgs):
     steps = {m: args.completions // SAMPLES_PER_STEP[m] for m in SAMPLES_PER_STEP}
     steps.update({m: train_pairs() * rows // batch for m, rows in UNPAIRED_ROWS.items()})
     half_steps = {m: n // 2 for m, n in steps.items()}
-    half_dirs = {s: linked_dir(os.path.join(out, "half", f"seed_{s}"), seed_dirs[s]) for s in args.seeds}
-    for seed, run_dir in half_dirs.items() if not args.frontier_only else ():
+    half_dirs = {s: linked_dir(os.path.join(out, "half", f"seed_{s}"), seed_dirs[s])
+                 for s in (args.seeds if not args.frontier_only else ())}
+    for seed, run_dir in half_dirs.items():
         for m in METHODS:
             needs = [(seed, n) for n in STAGES[m][1]]
             stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m]),

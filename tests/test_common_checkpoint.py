@@ -1,8 +1,9 @@
 """Checkpoints, resume, interruption, determinism and non-finite values (common/checkpoint.py).
 
-For every script: the same command twice logs the same metrics (timing fields aside); a run stopped
-by SIGTERM saves a checkpoint and exits non-zero with one line, and resuming it ends with weights
-bit-identical to an uninterrupted run and the same metrics JSONL. sft runs in the default suite, the
+For every script: a run stopped by SIGTERM saves a checkpoint and exits non-zero with one line, and
+resuming it ends with weights bit-identical to an uninterrupted run and the same metrics JSONL
+(timing fields aside). That also makes each script repeat itself: the stopped run is the same command
+started afresh, so its steps before the stop must log what the uninterrupted run logged. sft runs in the default suite, the
 other seven under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci/run runs them)."""
 
 import json
@@ -62,11 +63,8 @@ VARIANTS = [pytest.param(s, [], marks=() if s == "sft" else pytest.mark.resume, 
 @pytest.mark.parametrize("script, extra", VARIANTS)
 def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm_model, script, extra):
     models = (sft_model, rm_model)
-    full, again, cut = tmp_path / "full", tmp_path / "again", tmp_path / "cut"
+    full, cut = tmp_path / "full", tmp_path / "cut"
     run_script(*argv(script, full, models, *extra))
-    if not extra:  # determinism: same seed, same command, same metrics
-        run_script(*argv(script, again, models))
-        assert records(again) == records(full)
     assert len([r for r in records(full) if "lr" in r]) == STEPS
 
     proc = subprocess.Popen([sys.executable, *argv(script, cut, models, *extra)], cwd=ROOT, text=True,

@@ -1,9 +1,10 @@
-"""Every script under DeepSpeed ZeRO-2 and ZeRO-3 on 2 processes, launched as a user launches it
+"""Every script under DeepSpeed ZeRO-3 (three under ZeRO-2 too) on 2 processes, launched as a user launches it
 (`accelerate launch --config_file configs/deepspeed_zero3.yaml ...`), here on the CPU: without CUDA,
 common/runtime.setup gives the processes a gloo group, so the 2 ranks really shard and communicate.
 Each run has its evaluation, sample tables, a checkpoint after step 1 and the final
 save on, and must log the losses of the 1-process run with the same global batch and save the same
-weights; under ZeRO-3 it is also resumed from that checkpoint and must end where it ended.
+weights; dpo, grpo and ppo also run under ZeRO-2, and under ZeRO-3 are resumed from that checkpoint
+and must end where they ended.
 
 Not in the default run (needs `pip install '.[deepspeed]'`, ~8 min on 2 cores; DeepSpeed compiles a
 small op once): `python -m pytest -m deepspeed`; .ci/run runs them."""
@@ -64,9 +65,15 @@ def assert_matches_one_process(out_dir, one, script, keys, tolerance, label):
     return log, weights
 
 
+# ZeRO-3 (parameters sharded too) for every script; ZeRO-2 shares the scripts' DeepSpeed code paths with it
+# (prepare, the frozen models' engines, checkpoints), so it runs for one offline script with a reference
+# engine and two online ones; resumed under ZeRO-3: an offline script, an online one and ppo's two models
+ZERO2, RESUMED = ("dpo", "grpo", "ppo"), ("dpo", "grpo", "ppo")
+
+
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("script", list(CASES))
+@pytest.mark.parametrize("script, stage", [(s, 3) for s in CASES] + [(s, 2) for s in ZERO2],
+                         ids=[f"{s}-3" for s in CASES] + [f"{s}-2" for s in ZERO2])
 def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, rm_model, script, stage):
     pytest.importorskip("deepspeed")
     flags, keys = CASES[script]
@@ -79,7 +86,7 @@ def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, s
                                          f"zero{stage}")
     assert "--- samples at step 2 ---" in out
     assert sorted(os.listdir(tmp_path / "ds" / "checkpoints")) == ["step_1", "step_2"]
-    if stage == 3:  # resumed from the checkpoint of step 1, the run ends where the uninterrupted one ended
+    if stage == 3 and script in RESUMED:  # resumed from step 1's checkpoint, it ends where the first run ended
         run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
                    str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=launcher(stage))
         assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
