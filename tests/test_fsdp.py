@@ -6,7 +6,8 @@ final save on, and must log the 1-process run's losses and save its weights; the
 also resumed from step 1 and must end where they ended.
 
 Not in the default run (~6 min on 2 cores): `python -m pytest -m fsdp`; .ci/run runs it together with
-the DeepSpeed tests, so that both compare against the same 1-process runs."""
+the DeepSpeed tests, so that both compare against the same 1-process runs. The last test (LoRA's
+reference first under bf16 mixed precision, one process, no script launched) is in the default run."""
 
 import os
 import sys
