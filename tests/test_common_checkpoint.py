@@ -3,8 +3,9 @@
 For every script: a run stopped by SIGTERM saves a checkpoint and exits non-zero with one line, and
 resuming it ends with weights bit-identical to an uninterrupted run and the same metrics JSONL
 (timing fields aside). That also makes each script repeat itself: the stopped run is the same command
-started afresh, so its steps before the stop must log what the uninterrupted run logged. sft runs in the default suite, the
-other seven under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci/run runs them)."""
+started afresh, so its steps before the stop must log what the uninterrupted run logged. sft and grpo
+under gradient accumulation run in the default suite, every script as CASES runs it under the `resume`
+marker (`python -m pytest -m resume`, ~5 min; .ci/run runs them)."""
 
 import json
 import os
@@ -50,13 +51,13 @@ def weights(out):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-# besides every script as CASES runs it, in the default suite: an offline and an online script under
+# in the default suite (every script as CASES runs it is under `resume`): an offline and an online script under
 # gradient accumulation 2 (the data position and the accumulated micro-batches must resume exactly);
 # grpo also with 2 iterations per generation batch (a stop between them), a KL term and a reward
 # function that leaves some completions unscored
 ACCUMULATION = ["--gradient_accumulation_steps", "2"]
 GRPO_HARD = [*ACCUMULATION, "--beta", "0.1", "--reward_funcs", "tests.toy_rewards:short_or_none"]
-VARIANTS = [pytest.param(s, [], marks=() if s == "sft" else pytest.mark.resume, id=s) for s in CASES] + [
+VARIANTS = [pytest.param(s, [], marks=pytest.mark.resume, id=s) for s in CASES] + [
     pytest.param("sft", ACCUMULATION, id="sft-accumulation"), pytest.param("grpo", GRPO_HARD, id="grpo-accumulation")]
 
 
