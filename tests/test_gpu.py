@@ -1,9 +1,9 @@
 """On a CUDA machine only (marker `gpu`, skipped elsewhere): every script trains a few steps on the
 GPU, from the tiny SFT model, and logs finite losses; bf16 autocast through accelerate included;
 DeepSpeed ZeRO-2 and ZeRO-3 (configs/) for an offline and two online scripts; every script under
-FSDP2 (configs/fsdp2.yaml, bf16 mixed precision) with its checkpoint, samples and evaluation; LoRA with
-gradient checkpointing and bf16. Each launch gets its own port, so that `-n` (pytest-xdist) can run
-them side by side on one GPU."""
+FSDP2 (configs/fsdp2.yaml, bf16 mixed precision) with its checkpoint, samples and evaluation, and
+LoRA under it for dpo, kto, grpo and ppo; LoRA with gradient checkpointing and bf16. Each launch
+gets its own port, so that `-n` (pytest-xdist) can run them side by side on one GPU (.ci/gpu)."""
 
 import math
 import os
@@ -37,6 +37,12 @@ def free_port():
         return str(s.getsockname()[1])
 
 
+def one_gpu(config: str) -> list[str]:
+    """`accelerate launch` with a shipped config on one process, on a port of its own."""
+    return ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1",
+            "--main_process_port", free_port()]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -55,8 +61,7 @@ def test_script_trains_on_cuda(tmp_path, sft_model, rm_model, script, mixed_prec
 def test_script_trains_under_deepspeed(tmp_path, sft_model, rm_model, script, config):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "out")
-    launcher = ["accelerate", "launch", "--config_file", f"configs/{config}.yaml", "--num_processes", "1",
-                "--main_process_port", free_port()]
+    launcher = one_gpu(config)
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "3", "--logging_steps", "1",
                       "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
@@ -73,8 +78,7 @@ def test_script_trains_under_fsdp2_in_bf16(tmp_path, sft_model, rm_model, script
     from transformers import AutoModelForSequenceClassification
 
     out = str(tmp_path / "out")
-    launcher = ["accelerate", "launch", "--config_file", "configs/fsdp2.yaml", "--num_processes", "1",
-                "--main_process_port", free_port()]
+    launcher = one_gpu("fsdp2")
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "2", "--logging_steps", "1",
                       "--eval_steps", "2", "--save_steps", "1", "--output_dir", out,
                       *(flags(script, rm_model) if script in SCRIPTS else []), launcher=launcher)
@@ -97,8 +101,7 @@ def test_lora_under_fsdp2_in_bf16(tmp_path, sft_model, rm_model, script):
     from peft import PeftModel
 
     out = str(tmp_path / "out")
-    launcher = ["accelerate", "launch", "--config_file", "configs/fsdp2.yaml", "--num_processes", "1",
-                "--main_process_port", free_port()]
+    launcher = one_gpu("fsdp2")
     proc = run_script(f"algos/{script}", "--model_name_or_path", sft_model, "--max_steps", "2", "--logging_steps", "1",
                       "--use_peft", "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
