@@ -3,9 +3,9 @@
 For every script: a run stopped by SIGTERM saves a checkpoint and exits non-zero with one line, and
 resuming it ends with weights bit-identical to an uninterrupted run and the same metrics JSONL
 (timing fields aside). That also makes each script repeat itself: the stopped run is the same command
-started afresh, so its steps before the stop must log what the uninterrupted run logged. sft and grpo
-under gradient accumulation run in the default suite, every script as CASES runs it under the `resume`
-marker (`python -m pytest -m resume`, ~5 min; .ci/run runs them)."""
+started afresh, so its steps before the stop must log what the uninterrupted run logged. sft under
+gradient accumulation runs in the default suite; every script as CASES runs it, and grpo under
+accumulation, under the `resume` marker (`python -m pytest -m resume`, ~5 min; .ci/run runs them)."""
 
 import json
 import os
@@ -51,14 +51,15 @@ def weights(out):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-# in the default suite (every script as CASES runs it is under `resume`): an offline and an online script under
+# besides every script as CASES runs it: an offline (default suite) and an online script (`resume`) under
 # gradient accumulation 2 (the data position and the accumulated micro-batches must resume exactly);
 # grpo also with 2 iterations per generation batch (a stop between them), a KL term and a reward
 # function that leaves some completions unscored
 ACCUMULATION = ["--gradient_accumulation_steps", "2"]
 GRPO_HARD = [*ACCUMULATION, "--beta", "0.1", "--reward_funcs", "tests.toy_rewards:short_or_none"]
 VARIANTS = [pytest.param(s, [], marks=pytest.mark.resume, id=s) for s in CASES] + [
-    pytest.param("sft", ACCUMULATION, id="sft-accumulation"), pytest.param("grpo", GRPO_HARD, id="grpo-accumulation")]
+    pytest.param("sft", ACCUMULATION, id="sft-accumulation"),
+    pytest.param("grpo", GRPO_HARD, marks=pytest.mark.resume, id="grpo-accumulation")]
 
 
 @pytest.mark.parametrize("script, extra", VARIANTS)
