@@ -1,12 +1,12 @@
-"""Every script under DeepSpeed ZeRO-3 (three under ZeRO-2 too) on 2 processes, launched as a user launches it
-(`accelerate launch --config_file configs/deepspeed_zero3.yaml ...`), here on the CPU: without CUDA,
+"""Every script under DeepSpeed ZeRO-3 (three under ZeRO-2 too) on 2 processes, launched as a user
+launches it (`accelerate launch --config_file configs/deepspeed_zero3.yaml ...`), here on the CPU: without CUDA,
 common/runtime.setup gives the processes a gloo group, so the 2 ranks really shard and communicate.
 Each run has its evaluation, sample tables, a checkpoint after step 1 and the final
 save on, and must log the losses of the 1-process run with the same global batch and save the same
 weights; dpo, grpo and ppo also run under ZeRO-2, and under ZeRO-3 are resumed from that checkpoint
 and must end where they ended.
 
-Not in the default run (needs `pip install '.[deepspeed]'`, ~8 min on 2 cores; DeepSpeed compiles a
+Not in the default run (needs `pip install '.[deepspeed]'`, ~5 min on 2 cores; DeepSpeed compiles a
 small op once): `python -m pytest -m deepspeed`; .ci/run runs them."""
 
 import json
