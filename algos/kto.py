@@ -131,6 +131,8 @@ class Args:
     is replaced only when this run finishes)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
+    ddp_timeout: int = 1800
+    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
 
     # memory, precision and LoRA
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -289,7 +291,7 @@ def main(args: Args):
     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16)
+                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
     args.world_size = accelerator.num_processes
     args.run_name = args.run_name or f"kto__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size

@@ -1,6 +1,8 @@
 """Process setup: accelerator, seeds, checks of the flags, one-line user errors, stop signals."""
 
 import contextlib
+import datetime
+import json
 import os
 import signal
 import sys
@@ -17,14 +19,26 @@ class UserError(Exception):
 
 @contextlib.contextmanager
 def exit_on_user_error():
+    """A UserError ends the process with one `error:` line and exit status 2. Every process that fails says
+    so, with its rank when there are several (a failure on one rank alone, a file missing on one machine,
+    must not end the job in silence); then any other exception gets the line too, before its traceback."""
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         yield
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":  # once, not once per process
-            for bar in list(getattr(tqdm, "_instances", ())):  # end the progress bar's line first
-                bar.close()
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except Exception as e:
+        for bar in list(getattr(tqdm, "_instances", ())):  # end the progress bar's line first
+            bar.close()
+        if isinstance(e, UserError):
+            print(f"{rank}error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if rank:  # one process alone: its traceback is enough
+            why = str(e).lower()
+            print(f"{rank}error: {type(e).__name__}: {str(e)[:300]}" + (
+                "; this process waited longer than --ddp_timeout for the others: one failed (see its error) or "
+                "hangs; raise --ddp_timeout if a step can take that long" if "timed out" in why else
+                "; another process ended first: see its error" if "peer" in why else " (traceback below)"),
+                file=sys.stderr, flush=True)
+        raise
 
 
 def check_built(path: str):
@@ -40,7 +54,7 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "max_completion_length", "max_new_tokens", "response_length", "num_iterations", "num_ppo_epochs",
             "num_mini_batches", "local_rollout_forward_batch_size", "ref_model_sync_steps", "lora_r", "lora_alpha",
             "temperature", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg",
-            "max_dynamic_sampling_rounds")
+            "max_dynamic_sampling_rounds", "ddp_timeout")
 
 
 def check_positive(flags: dict):
@@ -75,16 +89,29 @@ def stop_on_signal():
 
 
 def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch_size: int, max_grad_norm: float,
-          bf16: bool = False) -> Accelerator:
+          bf16: bool = False, ddp_timeout: int = 1800) -> Accelerator:
     """Accelerator with gradient accumulation (and bf16), the same seed on every rank (a new score head
-    starts alike everywhere; sampling is seeded per completion), and under DeepSpeed the batch size and
-    clipping norm the engine would otherwise read from a prepared DataLoader or its config."""
+    starts alike everywhere; sampling is seeded per completion), collectives that give up after
+    `ddp_timeout` seconds, and under DeepSpeed the accumulation, batch size and clipping norm of the
+    flags (the engine would otherwise read them from a prepared DataLoader or its config)."""
+    # one accumulation value, the flag's: the scripts build and normalise micro-batches by it, while accelerate
+    # lets a launcher's value (a yaml's deepspeed_config.gradient_accumulation_steps, `accelerate launch
+    # --gradient_accumulation_steps`) or a DeepSpeed json's replace it, with only a warning in its log
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    for where, value in (("the accelerate launch config (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config "
+                          "or --gradient_accumulation_steps)", os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")),
+                         (f"the DeepSpeed config {ds_file}",
+                          ds_file != "none" and json.load(open(ds_file)).get("gradient_accumulation_steps"))):
+        if value not in (None, False, "auto") and int(value) != gradient_accumulation_steps:
+            raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says {value}; "
+                            "the script accumulates by its flag: remove the value from the config or make the two equal")
     # DeepSpeed without CUDA (ZeRO on a CPU, as the tests do): accelerate leaves the backend unset, and
     # every process would believe it is alone
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()
+    timeout = InitProcessGroupKwargs(backend="gloo" if cpu_deepspeed else None,
+                                     timeout=datetime.timedelta(seconds=ddp_timeout))
     accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
-                              mixed_precision="bf16" if bf16 else None,
-                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
+                              mixed_precision="bf16" if bf16 else None, kwargs_handlers=[timeout])
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and accelerator.distributed_type != DistributedType.FSDP:
         # accelerate (1.15) turns FSDP on for accelerators only; on a CPU (gloo, as the tests run it) it would
         # quietly run DDP. The plugin reads the launcher's FSDP_* variables; the shared state keeps the type.
@@ -93,6 +120,7 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
     set_seed(seed)
     if (plugin := accelerator.state.deepspeed_plugin) is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+        plugin.deepspeed_config["gradient_accumulation_steps"] = gradient_accumulation_steps  # a json without it: 1
         plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator

@@ -277,3 +277,21 @@ def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path, tiny_model):
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
         f"error: dataset '{bad}' (split train), given to grpo.py, has null in column 'prompt' at row 1; each prompt "
         'must be a string or a non-empty list of {"role": str, "content": str} messages; fix or drop that row']
+
+
+def test_accumulation_given_twice_is_refused_before_the_accelerator_starts(tmp_path, monkeypatch):
+    """accelerate would let the launcher's value (a DeepSpeed yaml's gradient_accumulation_steps) or a DeepSpeed
+    json's replace the flag, while the scripts build their micro-batches by the flag: a mismatch is one line."""
+    from common.runtime import setup
+
+    flags = dict(seed=1, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_grad_norm=1.0)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    with pytest.raises(UserError, match=r"^--gradient_accumulation_steps is 2 but the accelerate launch config "
+                                        r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, .*\) says 1; the script accumulates"):
+        setup(**flags)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")  # equal: fine
+    (tmp_path / "ds.json").write_text('{"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}')
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    with pytest.raises(UserError, match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
+                                        "says 4; the script accumulates by its flag: remove the value"):
+        setup(**flags)

@@ -11,6 +11,7 @@ small op once): `python -m pytest -m deepspeed`; .ci/run runs them."""
 
 import json
 import os
+import re
 import sys
 import types
 
@@ -27,10 +28,11 @@ from tests.test_sft import read_log
 EVERYTHING_ON = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1"]
 
 
-def launcher(stage: int):
+def launcher(stage: int, config: str | None = None):
+    """2 processes under the shipped ZeRO-<stage> yaml (or the yaml `config`), in fp32."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            os.path.join(ROOT, "configs", f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
-            "--mixed_precision", "no", "--dynamo_backend", "no"]
+            config or os.path.join(ROOT, "configs", f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
+            "--dynamo_backend", "no"] + ([] if config else ["--mixed_precision", "no"])
 
 
 def saved_weights(path, script):
@@ -186,3 +188,34 @@ def test_evaluation_of_an_odd_split_under_zero3(tmp_path):
                "--per_device_eval_batch_size", "2", "--num_sample_generations", "0", "--output_dir", str(tmp_path / "out"),
                launcher=launcher(3), timeout=180)
     assert "eval_loss" in read_log(str(tmp_path / "out"))[-1]
+
+
+@pytest.mark.deepspeed
+def test_gradient_accumulation_is_the_flags_alone(tmp_path):
+    """A DeepSpeed yaml as `accelerate config` writes it says gradient_accumulation_steps 1, the flag 2: accelerate
+    kept DeepSpeed's 1 (a warning in its log) and the optimizer stepped on every micro-batch; now each rank says so in
+    one line. A DeepSpeed json without the key (accelerate read it as 1): the flag's 2 is used, so 2 processes x 4
+    rows x 2 micro-batches log the losses of 1 process x 8 rows x 2 micro-batches."""
+    pytest.importorskip("deepspeed")
+    flags = ["algos/sft.py", "--max_steps", "3", "--logging_steps", "1", "--gradient_accumulation_steps", "2",
+             "--num_sample_generations", "0", "--dataset_test_split", ""]
+    yaml = ("distributed_type: DEEPSPEED\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nrdzv_backend: static\n"
+            "same_network: true\nuse_cpu: false\ndeepspeed_config:\n  deepspeed_multinode_launcher: standard\n")
+    (tmp_path / "says_1.yaml").write_text(yaml + "  zero_stage: 2\n  gradient_accumulation_steps: 1\nmixed_precision: 'no'\n")
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    (tmp_path / "json.yaml").write_text(yaml + f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    proc = run_script(*flags, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "says_1"),
+                      launcher=launcher(2, str(tmp_path / "says_1.yaml")), check=False, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    for line in errors:  # each rank that got there before the launcher stopped it
+        assert re.fullmatch(r"\[rank [01]\] error: --gradient_accumulation_steps is 2 but the accelerate launch config "
+                            r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config or --gradient_accumulation_"
+                            r"steps\) says 1; the script accumulates by its flag: remove the value from the config or make "
+                            r"the two equal", line), line
+    assert not os.path.exists(tmp_path / "says_1" / "logs")
+    run_script(*flags, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "json"),
+               launcher=launcher(2, str(tmp_path / "json.yaml")), timeout=300)
+    run_script(*flags, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one"))
+    losses = [[r["loss"] for r in read_log(str(tmp_path / run)) if "loss" in r] for run in ("json", "one")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5), losses

@@ -9,6 +9,7 @@ session with the DeepSpeed and FSDP2 tests, which compare against the same 1-pro
 
 import os
 import sys
+import time
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -46,6 +47,8 @@ def model_flags(script, sft_model, rm_model):
     return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
 
 
+TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 _one_process = {}
 
 
@@ -67,11 +70,9 @@ def test_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, 
     flags, keys = CASES[script]
     common = [f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *QUIET.get(script, []),
               *model_flags(script, sft_model, rm_model), *flags]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     os.environ["ACCELERATE_USE_CPU"] = "true"
     try:
-        run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=launcher)
+        run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=TWO_PROCESSES)
     finally:
         del os.environ["ACCELERATE_USE_CPU"]
     one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
@@ -93,9 +94,7 @@ def test_grpo_dynamic_sampling_two_processes_match_one_process(tmp_path, sft_mod
     common = ["algos/grpo.py", "--max_steps", "2", "--logging_steps", "1", "--model_name_or_path", sft_model,
               "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
               "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:constant_for_odd_prompts", "--dynamic_sampling"]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=launcher,
+    run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=TWO_PROCESSES,
                env={**os.environ, "ACCELERATE_USE_CPU": "true"})
     run_script(*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
     two, one = read_log(str(tmp_path / "two")), read_log(str(tmp_path / "one"))
@@ -104,3 +103,25 @@ def test_grpo_dynamic_sampling_two_processes_match_one_process(tmp_path, sft_mod
         assert a["dynamic_sampling/rounds"] == b["dynamic_sampling/rounds"] and a["reward"] == b["reward"]
         assert a["frac_reward_zero_std"] == b["frac_reward_zero_std"] == 0.0
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("hangs", [False, True], ids=["exits", "hangs"])
+def test_a_failure_on_rank_1_alone_is_on_the_console(tmp_path, sft_model, hangs):
+    """A reward that fails on rank 1 only: the job ends non-zero with rank 1's error line on the console (it
+    used to print on rank 0 only, so nothing was said), also when rank 1 cannot exit after failing: then rank
+    0 gives up in its next collective after --ddp_timeout seconds (default 1800) and says why."""
+    start = time.time()
+    proc = run_script("algos/grpo.py", "--max_steps", "1", "--model_name_or_path", sft_model, "--per_device_train_batch_size",
+                      "4", "--num_generations", "4", "--max_completion_length", "8", "--reward_model_paths", "--reward_funcs",
+                      "tests.toy_rewards:missing_file_on_rank_1", "--ddp_timeout", "20", "--output_dir", str(tmp_path),
+                      launcher=TWO_PROCESSES, check=False, timeout=240,
+                      env={**os.environ, "ACCELERATE_USE_CPU": "true", **({"HANG_AFTER_FAILING": "1"} if hangs else {})})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("\n[rank 1] error: reward function 'missing_file_on_rank_1' raised FileNotFoundError: [Errno 2] No such file "
+            "or directory: '/nonexistent/reward_table.json'\n") in console
+    if hangs:
+        assert "[rank 0] error: RuntimeError: " in console
+        assert "this process waited longer than --ddp_timeout for the others: one failed (see its error)" in console
+        assert time.time() - start < 20 + 150, time.time() - start

@@ -1,5 +1,9 @@
 """Reward functions the tests name on the command line (`--reward_funcs tests.toy_rewards:short`)."""
 
+import os
+import threading
+import time
+
 
 def short(prompts, completions, **columns):
     """Fewer words is better: a reward any policy can raise by stopping earlier."""
@@ -50,3 +54,13 @@ def constant_for_odd_prompts(prompts, completions, **columns):
     out = [0.0 if len(str(p)) % 2 else -float(len(c.split())) for p, c in zip(prompts, completions)]
     CALLS.append(out)
     return out
+
+
+def missing_file_on_rank_1(prompts, completions, **columns):
+    """`short`, but on rank 1 it reads a file that is missing there (as on one machine of several). With
+    HANG_AFTER_FAILING set, rank 1 then cannot exit either: a non-daemon thread keeps its interpreter alive."""
+    if os.environ.get("RANK") == "1":
+        if os.environ.get("HANG_AFTER_FAILING"):
+            threading.Thread(target=time.sleep, args=(3600,)).start()
+        open("/nonexistent/reward_table.json")
+    return short(prompts, completions)
