@@ -203,10 +203,18 @@ class Args:
     """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
     vllm_server_host: str = "127.0.0.1"
     """server: host of the vLLM server"""
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
+    vllm_group_host: str | None = None
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -365,11 +373,8 @@ def main(args: Args):
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
-                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
-                        group_port=args.vllm_group_port)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
+        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
@@ -414,8 +419,7 @@ def main(args: Args):
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     def prompt_batches():
-        """Endless: the global batch's prompts, each repeated num_generations times (the same on
-        every rank), then this rank's contiguous share, so a group may span ranks."""
+        """Endless: the global batch's prompts, each num_generations times, then this rank's share (groups span ranks)."""
         rng = random.Random(args.seed)
         per_batch = args.generation_batch_size // args.num_generations
         while True:
@@ -433,9 +437,6 @@ def main(args: Args):
     # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
     # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
-    if resumed.get("generation_batch") is not None:
-        raise UserError("this checkpoint was written by an older grpo.py between two num_iterations passes; resume it "
-                        "with that version, or from a checkpoint at the end of a generation batch")
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:
@@ -447,7 +448,7 @@ def main(args: Args):
             seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
             batch_prompt_ids = [prompt_ids[i] for i in indices]
             if sampler is not None:
-                if step > 0 and not draws:  # the policy changed since the engine last got its weights
+                if step > 0 and not draws or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                     push_seconds = sampler.push_weights(model)
                 p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(
                     tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
@@ -572,11 +573,10 @@ def main(args: Args):
                 "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
                 "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                 "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
+                **({"vllm/push_seconds": push_seconds} if sampler is not None else {}),
                 **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
             for name, values in r.per_source.items():
                 metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-            if sampler is not None:
-                metrics["vllm/push_seconds"] = push_seconds
             for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
                 v = accelerator.gather(torch.stack([d[k] for d in corrections]))
                 metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()

@@ -165,10 +165,18 @@ class Args:
     """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
     vllm_server_host: str = "127.0.0.1"
     """server: host of the vLLM server"""
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
+    vllm_group_host: str | None = None
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -255,11 +263,8 @@ def main(args: Args):
     if args.max_new_tokens >= args.max_length:
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt under max_length {args.max_length}")
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
-                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
-                        group_port=args.vllm_group_port)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
+        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and ranking ----
@@ -336,6 +341,8 @@ def main(args: Args):
                      for j in range(len(indices)) for k in range(2)]
             batch_prompt_ids = [prompt_ids[i] for i in pair_indices]
             if sampler is not None:
+                if sampler.needs_push:  # sleep level 2 dropped the engine's weights after its last rollout
+                    push_seconds = sampler.push_weights(model)
                 p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(
                     tokenizer, batch_prompt_ids, args.max_new_tokens, temperature=args.temperature, seeds=seeds)
             else:

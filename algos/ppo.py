@@ -180,10 +180,18 @@ class Args:
     """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
     vllm_server_host: str = "127.0.0.1"
     """server: host of the vLLM server"""
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
+    vllm_group_host: str | None = None
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -328,11 +336,8 @@ def main(args: Args):
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
-                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
-                        group_port=args.vllm_group_port)
+    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
+        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- models and data ----
@@ -405,7 +410,7 @@ def main(args: Args):
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
         batch_prompt_ids = [prompt_ids[i] for i in indices]
         if sampler is not None:
-            if step > 1:  # the policy changed since the engine last got its weights
+            if step > 1 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                 push_seconds = sampler.push_weights(accelerator.unwrap_model(model).policy)
             p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(
                 tokenizer, batch_prompt_ids, args.response_length, temperature=args.temperature, seeds=seeds)

@@ -54,7 +54,8 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "max_completion_length", "max_new_tokens", "response_length", "num_iterations", "num_ppo_epochs",
             "num_mini_batches", "local_rollout_forward_batch_size", "ref_model_sync_steps", "lora_r", "lora_alpha",
             "temperature", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg",
-            "max_dynamic_sampling_rounds", "ddp_timeout")
+            "max_dynamic_sampling_rounds", "ddp_timeout", "vllm_tensor_parallel_size",
+            "vllm_max_num_batched_tokens")
 
 
 def check_positive(flags: dict):

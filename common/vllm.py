@@ -1,21 +1,25 @@
 """Sampling with vLLM for the online scripts (`--use_vllm`; vLLM is imported only then).
 
-colocate: a `vllm.LLM` inside each training process; the policy's weights go in one parameter at a time
-    (each gathered alone under ZeRO-3) through vLLM's in-place `reload_weights`.
+colocate: a `vllm.LLM` inside each training process (or one per group of --vllm_tensor_parallel_size
+    processes); the policy's weights go in one parameter at a time (each gathered alone under ZeRO-3 and
+    FSDP2) through vLLM's in-place `reload_weights`.
 server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'` on other
-    GPUs; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine.
+    GPUs or another machine; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine, in a
+    group whose rendezvous trainer rank 0 opens at --vllm_group_host.
 The policy always recomputes the training logprobs; the sampler's only feed the mismatch correction."""
 
 import contextlib
 import importlib
 import json
 import os
+import socket
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
 from common.generation import pad, stop_token_ids, truncate_at_stop
@@ -33,10 +37,15 @@ def _hf_parameters(model):
         yield name, param
 
 
+def _full(tensor):
+    """Under FSDP2 a weight is a DTensor, this rank's shard of it: every rank gathers the whole (a collective)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _full_parameters(accelerator, model):
-    """(HF name, full tensor), one at a time (gathered alone under ZeRO-3). A LoRA layer's weight goes out
-    as base + the adapters' delta, computed aside: merging into a bf16 base and back would not restore it
-    exactly, and the base (also the KL reference) would drift with every push."""
+    """(HF name, full tensor), one at a time (gathered alone under ZeRO-3 and FSDP2, on every rank). A LoRA
+    layer's weight goes out as base + the adapters' delta, computed aside: merging into a bf16 base and back
+    would not restore it exactly, and the base (also the KL reference) would drift with every push."""
     unwrapped = accelerator.unwrap_model(model)
     lora = {id(m.get_base_layer().weight): m for m in unwrapped.modules() if hasattr(m, "lora_A")}
     for name, param in _hf_parameters(unwrapped):
@@ -47,9 +56,9 @@ def _full_parameters(accelerator, model):
         elif id(param) in lora:
             layer = lora[id(param)]
             deltas = (layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
-            yield name, sum(deltas, param.data).to(param.dtype)  # the base's dtype: peft keeps adapters in float32
+            yield name, _full(sum(deltas, param.data)).to(param.dtype)  # the base's dtype: peft's adapters are fp32
         else:
-            yield name, param.data
+            yield name, _full(param.data)
 
 
 @contextlib.contextmanager
@@ -78,6 +87,13 @@ def _get(url: str, timeout: float = 30):
         return json.load(r)
 
 
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on its route to host:port (the server's HTTP port, which answers): where the
+    server's workers can reach trainer rank 0, which opens the weights' NCCL group as its rank 0."""
+    with socket.create_connection((host, port), timeout=30) as connection:
+        return connection.getsockname()[0]
+
+
 def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
     """(URL, number of its workers) of the vLLM server, waiting up to `timeout` seconds for it."""
     url, deadline = f"http://{host}:{port}", time.time() + timeout
@@ -98,7 +114,7 @@ class VLLMSampler:
 
     @staticmethod
     def check(accelerator, *, use_peft: bool, mode: str, server_host: str, server_port: int, server_timeout: float,
-              **_):
+              tensor_parallel_size: int, **_):
         """Fail early, before any model loads: vLLM importable, the options compatible, the server up."""
         try:
             import vllm
@@ -107,16 +123,23 @@ class VLLMSampler:
         if use_peft and deepspeed_stage(accelerator) == 3:
             raise UserError("--use_vllm with --use_peft under ZeRO-3 is not supported (merging adapters needs whole "
                             "layers); use ZeRO-2 (configs/deepspeed_zero2.yaml): LoRA's optimizer state is small")
+        if tensor_parallel_size > 1 and (mode == "server" or accelerator.num_processes % tensor_parallel_size):
+            raise UserError(f"--vllm_tensor_parallel_size {tensor_parallel_size} needs colocate mode and a number of "
+                            f"processes it divides (got {mode}, {accelerator.num_processes}); a server takes vLLM's "
+                            "own --tensor-parallel-size")
         if mode == "server":
             wait_for_server(server_host, server_port, server_timeout)
         return vllm
 
     def __init__(self, accelerator, model_path: str, max_length: int, *, seed: int, dtype: str, use_peft: bool,
-                 mode: str, gpu_memory_utilization: float, enable_sleep_mode: bool, server_host: str, server_port: int,
-                 server_timeout: float, group_port: int):
+                 mode: str, gpu_memory_utilization: float, enable_sleep_mode: bool, sleep_level: int, server_host: str,
+                 server_port: int, server_timeout: float, group_host: str | None, group_port: int,
+                 tensor_parallel_size: int, max_num_batched_tokens: int | None):
         self.accelerator, self.mode, self.enable_sleep_mode = accelerator, mode, enable_sleep_mode
+        self.sleep_level, self.tp, self.needs_push = sleep_level, tensor_parallel_size, False
         self.vllm = vllm = self.check(accelerator, use_peft=use_peft, mode=mode, server_host=server_host,
-                                      server_port=server_port, server_timeout=server_timeout)
+                                      server_port=server_port, server_timeout=server_timeout,
+                                      tensor_parallel_size=tensor_parallel_size)
         config = AutoConfig.from_pretrained(model_path)
         try:  # where HF and vLLM read the model's EOS ids: generation_config.json, else config.json
             self.generation_config = GenerationConfig.from_pretrained(model_path)
@@ -137,22 +160,32 @@ class VLLMSampler:
                     return _full_parameters(accelerator, self._module)
 
             # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
-            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_address=server_host,
-                                       master_port=group_port, world_size=1 + world_size)
+            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_port=group_port, world_size=1 + world_size,
+                                       master_address=group_host or address_towards(server_host, server_port))
             self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
+        if self.tp > 1:  # consecutive ranks form one engine (vLLM's external launcher), and sample for the group
+            self.group = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(r, r + self.tp)) for r in range(0, accelerator.num_processes, self.tp)])[0]
         with _keep_hf_classes(config.model_type):
             self.llm = vllm.LLM(
-                model=model_path, gpu_memory_utilization=gpu_memory_utilization,
+                model=model_path, gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=self.tp,
                 max_model_len=min(max_length, getattr(config, "max_position_embeddings", max_length)),
                 seed=seed, enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs", dtype=dtype,
+                max_num_batched_tokens=max_num_batched_tokens,
                 distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None)
-        if enable_sleep_mode:
-            self.llm.sleep(level=1)  # its memory goes back to training until the first rollout
+        if enable_sleep_mode:  # its memory goes back to training until the first rollout
+            self.sleep()
         self.weights_asleep = enable_sleep_mode
+
+    def sleep(self):
+        """Level 1 keeps the weights in CPU memory and copies them back when woken; level 2 drops them, so
+        the next rollout must push them first (`needs_push`), as the policy's are newer anyway."""
+        self.llm.sleep(level=self.sleep_level)
+        self.weights_asleep, self.needs_push = True, self.sleep_level == 2
 
     @torch.no_grad()
     def push_weights(self, model) -> float:
@@ -170,6 +203,7 @@ class VLLMSampler:
             self.llm.collective_rpc("reload_weights", kwargs={
                 "weights_iterator": _full_parameters(self.accelerator, model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
+            self.needs_push = False
         return time.time() - start
 
     def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -192,15 +226,24 @@ class VLLMSampler:
             with ThreadPoolExecutor(32) as pool:
                 results = list(pool.map(one, prompts, seeds))
         else:
+            if self.needs_push:
+                raise RuntimeError("sleep level 2 dropped the engine's weights: push_weights before generate")
             if self.enable_sleep_mode:  # vLLM schedules nothing until every tag is awake
                 self.llm.wake_up(tags=None if self.weights_asleep else ["kv_cache"])
+            mine = slice(0, len(prompts))
+            if self.tp > 1:  # the group's engine samples every rank's prompts, each with its own seed
+                group = [None] * self.tp
+                torch.distributed.all_gather_object(group, (prompts, seeds), group=self.group)
+                start = sum(len(p) for p, _ in group[:torch.distributed.get_rank(self.group)])
+                mine = slice(start, start + len(prompts))
+                prompts, seeds = [p for ps, _ in group for p in ps], [s for _, ss in group for s in ss]
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
+                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)[mine]
             results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
                        for o in outputs]
+            prompts = prompts[mine]
             if self.enable_sleep_mode:
-                self.llm.sleep(level=1)
-                self.weights_asleep = True
+                self.sleep()
         device = self.accelerator.device
         prompt_ids, prompt_mask = pad(prompts, tokenizer.pad_token_id, side="left")
         ids = torch.tensor([list(t) + [tokenizer.pad_token_id] * (max_new_tokens - len(t)) for t, _ in results])

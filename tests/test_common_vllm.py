@@ -12,8 +12,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.generation import generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
 from common import vllm as common_vllm
+from common.runtime import UserError
 from common.vllm import VLLMSampler, _full_parameters, _hf_parameters
-from tests.conftest import vllm_options
+from tests import stand_in_vllm
+from tests.conftest import run_script, vllm_options
+from tests.stand_in_vllm import FakeLLM
 
 
 def stand_in_accelerator(rank=0, processes=1, barrier=lambda: None):
@@ -52,79 +55,14 @@ def test_lora_push_leaves_the_base_weights_untouched():
             assert torch.equal(pushed[name], weight), name
 
 
-class FakeLLM:
-    """Stands in for vllm.LLM: records the calls and which sleep-mode tags are awake; every
-    completion is `completion`."""
-
-    completion = [6, 7]
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
-        type(self).last = self
-
-    def sleep(self, level=1):
-        self.calls.append(f"sleep {level}")
-        self.awake = set()
-
-    def wake_up(self, tags=None):
-        self.calls.append(f"wake_up {tags}")
-        if tags and not self.awake.isdisjoint(tags):
-            return  # as vLLM 0.32: a tag already awake, and it wakes nothing (a warning only)
-        self.awake |= set(tags or ["weights", "kv_cache"])
-
-    def collective_rpc(self, method, kwargs=None):
-        assert method == "reload_weights" and "weights" in self.awake, f"{method} with weights asleep: {self.calls}"
-        self.calls.append(method)
-        self.reloaded = [n for n, _ in kwargs["weights_iterator"]]
-
-    def reset_prefix_cache(self):
-        pass
-
-    def generate(self, prompts, params, use_tqdm=True):
-        asleep = {"weights", "kv_cache"} - self.awake
-        assert not asleep, f"generate with {sorted(asleep)} asleep: {self.calls}"
-        self.calls.append("generate")
-        self.params = params
-        logprobs = [{t: SimpleNamespace(logprob=-1.0)} for t in self.completion]
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=self.completion, logprobs=logprobs)])
-                for _ in prompts]
-
-
 @pytest.fixture()
 def fake_vllm(monkeypatch):
-    """A `vllm` module with the stand-in engine and the weight-transfer classes the sampler imports;
-    records the server-mode calls in `.transfers`."""
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams, vllm.transfers = FakeLLM, lambda **kw: SimpleNamespace(**kw), []
-
-    class ModuleSource:
-        def __init__(self, module):
-            self._module = module
-
-    class Engine:  # as vLLM 0.32's NCCLTrainerWeightTransferEngine: called on every rank, where trainer
-        @staticmethod  # rank 0 alone joins the NCCL group and sends; the others only iterate the source
-        def trainer_init(info, client, source):
-            vllm.transfers.append(("trainer_init", info))
-            if info.rank == 0:
-                vllm.transfers.append(("rendezvous", info.world_size))
-
-            def send_weights():
-                names = [n for n, _ in source]
-                if info.rank == 0:
-                    vllm.transfers.append(("send", names))
-            return SimpleNamespace(send_weights=send_weights)
-
-    modules = {"vllm": vllm, "vllm.distributed": {}, "vllm.distributed.weight_transfer": {},
-               "vllm.distributed.weight_transfer.base": dict(ModuleSource=ModuleSource, ParamMeta=lambda *a: a),
-               "vllm.distributed.weight_transfer.clients": dict(HTTPVLLMWeightSyncClient=lambda url: url),
-               "vllm.distributed.weight_transfer.nccl_engine": dict(NCCLTrainerInitInfo=SimpleNamespace,
-                                                                    NCCLTrainerWeightTransferEngine=Engine)}
-    for name, attrs in modules.items():
-        module = attrs if isinstance(attrs, types.ModuleType) else types.ModuleType(name)
-        module.__dict__.update({} if module is attrs else attrs)
-        monkeypatch.setitem(sys.modules, name, module)
+    """The stand-in `vllm` modules (tests/stand_in_vllm.py) in sys.modules for the test; the server's
+    answers and this machine's address stood in for too."""
+    vllm = stand_in_vllm.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the sampler sets it; undone after the test
     monkeypatch.setattr(common_vllm, "wait_for_server", lambda host, port, timeout: ("http://server", 2))
+    monkeypatch.setattr(common_vllm, "address_towards", lambda host, port: f"this machine, seen from {host}:{port}")
     return vllm
 
 
@@ -132,17 +70,32 @@ def sample(sampler, tokenizer, prompts):
     return sampler.generate(tokenizer, prompts, 4, 1.0, 1.0, 0, 0.0, 1.0, seeds=list(range(len(prompts))))
 
 
-def test_sleep_mode_wakes_the_weights_before_sampling(fake_vllm, tiny_model, tokenizer):
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_mode_wakes_the_weights_before_sampling(fake_vllm, tiny_model, tokenizer, level):
+    """Level 1 keeps the weights (a CPU copy): the first rollout samples the engine's own, later ones after a
+    push. Level 2 drops them: every rollout pushes first, the first and a second in the same step included
+    (as the scripts do: `step > 0 or sampler.needs_push`), in the order wake weights, push, wake the KV cache,
+    generate, sleep."""
     sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
-                          **vllm_options(enable_sleep_mode=True, dtype="float32"))
+                          **vllm_options(enable_sleep_mode=True, sleep_level=level, dtype="float32"))
     policy = load_policy(tiny_model, tokenizer, "float32")
-    for step in range(3):  # the first rollout comes before any push
-        if step:
+    for step in (0, 1, 1, 2):  # step 1 samples twice (dynamic sampling's second round)
+        first_of_step = step != getattr(sampler, "_last_step", None)
+        sampler._last_step = step
+        if step > 0 and first_of_step or sampler.needs_push:
             sampler.push_weights(policy)
             assert FakeLLM.last.reloaded == [n for n, _ in policy.named_parameters()]
         sample(sampler, tokenizer, [[10, 11, 12]])
         assert FakeLLM.last.awake == set(), "the engine keeps its memory between rollouts"
-    assert FakeLLM.last.calls.count("generate") == 3 and FakeLLM.last.calls.count("reload_weights") == 2
+    rollout = ["wake_up ['weights']", "reload_weights", "wake_up ['kv_cache']", "generate", f"sleep {level}"]
+    if level == 2:
+        assert FakeLLM.last.calls == ["sleep 2"] + rollout * 4
+    else:  # the second rollout of step 1 samples with the weights pushed for the first
+        assert FakeLLM.last.calls == ["sleep 1", "wake_up None", "generate", "sleep 1", *rollout,
+                                      "wake_up None", "generate", "sleep 1", *rollout]
+    if level == 2:  # a rollout without a push would sample with whatever the dropped memory holds
+        with pytest.raises(RuntimeError, match="sleep level 2 dropped the engine's weights"):
+            sample(sampler, tokenizer, [[10, 11, 12]])
 
 
 def test_server_mode_only_the_main_process_sends(fake_vllm, monkeypatch, tiny_model, tokenizer):
@@ -166,6 +119,7 @@ def test_server_mode_only_the_main_process_sends(fake_vllm, monkeypatch, tiny_mo
         iterated.clear()
         (call, info), *rest = transfers
         assert call == "trainer_init" and info.rank == rank and info.world_size == 1 + 2  # trainer rank 0 + 2 workers
+        assert info.master_address == "this machine, seen from 127.0.0.1:8000"  # rank 0 opens the group there
         # rank 1 neither joins the group nor sends, and no rank samples before the server has the new weights
         sends = [] if rank else [("send", names)]
         assert rest == ([] if rank else [("rendezvous", 3)]) + (sends + ["barrier"]) * 2, f"rank {rank}: {rest}"
@@ -209,3 +163,72 @@ def test_hf_and_vllm_stop_at_every_eos_of_the_generation_config(fake_vllm, tmp_p
     _, _, ids, mask, finished, _ = sample(sampler, tokenizer, [[10, 11, 5]])
     assert FakeLLM.last.params[0].stop_token_ids == [eos, second]
     assert ids.tolist() == [[6, second, pad, pad]] and mask.tolist() == [[1, 1, 0, 0]] and finished.tolist() == [True]
+
+
+def test_server_mode_the_group_opens_at_this_machines_address_not_the_servers(fake_vllm, monkeypatch, tiny_model):
+    """Trainer rank 0 is rank 0 of the weights' NCCL group, so it opens the rendezvous, and the server's
+    workers connect to it: the group's address is this machine's (--vllm_group_host, default: the address
+    on the route to the server), not --vllm_server_host (which vLLM 0.32 would try to bind, failing on a
+    server of its own node). Here the server listens on 127.0.0.2, a second loopback address."""
+    import socket
+
+    for given, expected in ((None, "this machine, seen from 127.0.0.2:8100"), ("10.0.0.5", "10.0.0.5")):
+        fake_vllm.transfers.clear()
+        sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
+                              **vllm_options(mode="server", server_host="127.0.0.2", server_port=8100, group_host=given))
+        sampler.push_weights(torch.nn.Linear(1, 1))
+        (_, info), *_ = fake_vllm.transfers
+        assert info.master_address == expected and sampler.url == "http://server"
+    monkeypatch.undo()  # the real address_towards, against a listening socket
+    with socket.create_server(("127.0.0.2", 0)) as server:
+        assert common_vllm.address_towards("127.0.0.2", server.getsockname()[1]) == "127.0.0.1"
+
+
+@pytest.mark.fsdp
+@pytest.mark.parametrize("kind", ["plain", "lora"])
+def test_fsdp2_push_sends_every_full_weight_one_at_a_time(tmp_path, tiny_model, kind):
+    """Under FSDP2 (2 gloo processes, configs/fsdp2.yaml) each rank holds a shard of each weight (a DTensor),
+    which a push used to hand to vLLM as it was: its loader's copy into a plain tensor failed at the first
+    push. Now every rank's engine (colocate) and the server's weight source receive each weight whole, as
+    the unsharded policy holds it (with LoRA: base + lora_alpha / r x B @ A, worked out here), one gathered
+    parameter alive at a time. With a plain policy also --vllm_tensor_parallel_size 2: one engine for both
+    ranks samples both ranks' prompts with their own seeds, and each rank gets its own completions back."""
+    if kind == "lora":
+        pytest.importorskip("peft")
+    from tests.test_fsdp import LAUNCHER, ON_CPU
+
+    run_script("tests/fsdp_vllm_probe.py", tiny_model, str(tmp_path), kind, launcher=LAUNCHER, env=ON_CPU, timeout=300)
+    unsharded = torch.load(tmp_path / "unsharded.pt")
+    expected = {}
+    for name, weight in unsharded.items():
+        if "lora_" in name:
+            continue
+        layer = name.removesuffix(".base_layer.weight")
+        if layer != name:  # scale 16 / 4: the probe's lora_alpha / r
+            weight = weight + 4.0 * unsharded[f"{layer}.lora_B.default.weight"] @ unsharded[f"{layer}.lora_A.default.weight"]
+        expected[name.removeprefix("base_model.model.").replace(".base_layer", "")] = weight
+    differences = []
+    for mode in ("colocate", "server"):
+        for rank in (0, 1):
+            pushed = torch.load(tmp_path / f"{mode}{rank}.pt")
+            assert list(pushed["received"]) == list(expected) and pushed["most_alive"] == 1, (mode, rank)
+            for name, weight in expected.items():
+                torch.testing.assert_close(pushed["received"][name], weight, rtol=1e-6, atol=1e-6)
+                differences.append((pushed["received"][name] - weight).abs().max().item())
+    print(f"\nFSDP2 push ({kind}): {len(expected)} weights x 2 modes x 2 ranks, max difference {max(differences):.1e}")
+    if kind == "plain":  # --vllm_tensor_parallel_size 2: one engine for both ranks, each rank its own completions
+        asked = [[5, 10], [5, 11], [5, 20], [5, 21], [5, 22]]
+        for rank, own in ((0, slice(0, 2)), (1, slice(2, 5))):
+            tp = torch.load(tmp_path / f"tp{rank}.pt")
+            assert tp["asked"] == asked and tp["seeds"] == [100, 101, 110, 111, 112] and tp["tensor_parallel_size"] == 2
+            assert tp["got"] == [[prompt[-1], seed] for prompt, seed in zip(asked[own], tp["seeds"][own])], rank
+
+
+def test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused(fake_vllm, tiny_model):
+    sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64, **vllm_options(max_num_batched_tokens=2048))
+    assert FakeLLM.last.kwargs["max_num_batched_tokens"] == 2048 and FakeLLM.last.kwargs["tensor_parallel_size"] == 1
+    assert not sampler.needs_push  # no sleep mode: the engine keeps the weights it loaded
+    for processes, mode in ((3, "colocate"), (2, "server")):
+        with pytest.raises(UserError, match=f"--vllm_tensor_parallel_size 2 needs colocate mode and a number of "
+                                            f"processes it divides \\(got {mode}, {processes}\\)"):
+            VLLMSampler.check(stand_in_accelerator(processes=processes), **vllm_options(mode=mode, tensor_parallel_size=2))
