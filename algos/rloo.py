@@ -292,13 +292,13 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
     return (values - mean) / (var.sqrt() + 1e-8) * mask
 
 
-def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
-    """The policy's log-probability of each completion token, input_ids[:, prompt_width:], from the
-    logits one position earlier divided by the sampling temperature (the distribution the tokens were
-    drawn from); with entropy=True also each position's entropy (the training pass, which logs it).
-    Prompts are left-padded to prompt_width; positions count real tokens only."""
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
+                     **truncation):
+    """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
+    (token_logprobs: logits / temperature, top_k / top_p / min_p `truncation`); entropy=True: also each position's
+    entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
     return (logps, token_entropy(logits, temperature)) if entropy else logps
 
 
@@ -322,10 +322,12 @@ def main(args: Args):
     mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, mode=args.vllm_mode,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_host=args.vllm_server_host,
-                        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
-                        group_port=args.vllm_group_port)
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, server_host=args.vllm_server_host,
+                        enable_sleep_mode=args.vllm_enable_sleep_mode, server_port=args.vllm_server_port,
+                        server_timeout=args.vllm_server_timeout, group_port=args.vllm_group_port)
+    if args.use_vllm and args.vllm_importance_sampling_cap and args.repetition_penalty != 1:  # README: sampler mismatch
+        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
+                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
@@ -346,8 +348,9 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
-    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
+    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                    repetition_penalty=args.repetition_penalty, **truncation)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -358,9 +361,8 @@ def main(args: Args):
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    sampler = None
-    if args.use_vllm:
-        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length, **vllm_options)
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                           **vllm_options) if args.use_vllm else None)
     args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
@@ -385,7 +387,7 @@ def main(args: Args):
         with torch.no_grad():
             return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
                                                attention_mask[i:i + args.per_device_train_batch_size], prompt_width,
-                                               args.temperature)
+                                               args.temperature, **truncation)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
@@ -478,7 +480,7 @@ def main(args: Args):
                     idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
                         logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
-                                                          args.temperature, entropy=True)
+                                                          args.temperature, entropy=True, **truncation)
                         loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
                                                          cliprange=args.cliprange, token_weights=is_weights[idx],
                                                          loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,
