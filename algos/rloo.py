@@ -90,13 +90,13 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; training logprobs use the same one"""
     top_p: float = 1.0
-    """nucleus sampling"""
+    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
     top_k: int = 0
-    """top-k sampling (0 disables)"""
+    """top-k sampling (0 disables); training logprobs too, as top_p"""
     min_p: float = 0.0
-    """min-p sampling (0 disables)"""
+    """min-p sampling (0 disables); training logprobs too, as top_p"""
     repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables)"""
+    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # algorithm
     kl_coef: float = 0.05
