@@ -153,8 +153,7 @@ class Args:
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
-    is replaced only when this run finishes)"""
+    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800

@@ -90,13 +90,13 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; training logprobs use the same one"""
     top_p: float = 1.0
-    """nucleus sampling"""
+    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
     top_k: int = 0
-    """top-k sampling (0 disables)"""
+    """top-k sampling (0 disables); training logprobs too, as top_p"""
     min_p: float = 0.0
-    """min-p sampling (0 disables)"""
+    """min-p sampling (0 disables); training logprobs too, as top_p"""
     repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables)"""
+    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # algorithm
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
@@ -164,8 +164,7 @@ class Args:
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
-    is replaced only when this run finishes)"""
+    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
@@ -191,8 +190,7 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
     disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's
-    ratio is 1 (as TRL)"""
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -321,13 +319,13 @@ def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, h
                                                         masked_fraction=outside[real].float().mean())
 
 
-def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
-    """The policy's log-probability of each completion token, input_ids[:, prompt_width:], from the
-    logits one position earlier divided by the sampling temperature (the distribution the tokens were
-    drawn from); with entropy=True also each position's entropy (the training pass, which logs it).
-    Prompts are left-padded to prompt_width; positions count real tokens only."""
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
+                     **truncation):
+    """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
+    (token_logprobs: logits / temperature, top_k / top_p / min_p `truncation`); entropy=True: also each position's
+    entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
     return (logps, token_entropy(logits, temperature)) if entropy else logps
 
 
@@ -375,6 +373,9 @@ def main(args: Args):
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
         k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
+    if args.use_vllm and args.vllm_importance_sampling_cap and args.repetition_penalty != 1:  # README: sampler mismatch
+        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
+                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
@@ -395,17 +396,16 @@ def main(args: Args):
     ref_model = None
     if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
-    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
+    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                    repetition_penalty=args.repetition_penalty, **truncation)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
-    # the scheduler is not prepared: accelerate would step it once per process per call
-    model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = None
-    if args.use_vllm:
-        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length, **vllm_options)
+    model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                           **vllm_options) if args.use_vllm else None)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
@@ -503,12 +503,12 @@ def main(args: Args):
             with torch.no_grad():
                 old_logps = ref_logps = [None] * len(micro)
                 if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width, args.temperature)
-                                 for s in micro]
+                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width,
+                                                  args.temperature, **truncation) for s in micro]
                 if args.beta:
                     with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width, args.temperature)
-                                     for s in micro]
+                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width,
+                                                      args.temperature, **truncation) for s in micro]
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width,
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
                               num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps,
@@ -523,7 +523,7 @@ def main(args: Args):
             for m, s in enumerate(micro):
                 with accelerator.accumulate(model):
                     logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
-                                                      args.temperature, entropy=True)
+                                                      args.temperature, entropy=True, **truncation)
                     old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
                     is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
                     if r.sampler_logps is not None and args.vllm_importance_sampling_cap:

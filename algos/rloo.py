@@ -90,13 +90,13 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; training logprobs use the same one"""
     top_p: float = 1.0
-    """nucleus sampling"""
+    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
     top_k: int = 0
-    """top-k sampling (0 disables)"""
+    """top-k sampling (0 disables); training logprobs too, as top_p"""
     min_p: float = 0.0
-    """min-p sampling (0 disables)"""
+    """min-p sampling (0 disables); training logprobs too, as top_p"""
     repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables)"""
+    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # algorithm
     kl_coef: float = 0.05
@@ -155,8 +155,7 @@ class Args:
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir that holds a finished model or another run's checkpoints (the old model
-    is replaced only when this run finishes)"""
+    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
@@ -182,8 +181,7 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
     disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): old and reference logprobs are then exact, and the first pass's
-    ratio is 1 (as TRL)"""
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -300,13 +298,13 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
     return (values - mean) / (var.sqrt() + 1e-8) * mask
 
 
-def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False):
-    """The policy's log-probability of each completion token, input_ids[:, prompt_width:], from the
-    logits one position earlier divided by the sampling temperature (the distribution the tokens were
-    drawn from); with entropy=True also each position's entropy (the training pass, which logs it).
-    Prompts are left-padded to prompt_width; positions count real tokens only."""
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
+                     **truncation):
+    """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
+    (token_logprobs: logits / temperature, top_k / top_p / min_p `truncation`); entropy=True: also each position's
+    entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
     return (logps, token_entropy(logits, temperature)) if entropy else logps
 
 
@@ -331,6 +329,9 @@ def main(args: Args):
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
         k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
+    if args.use_vllm and args.vllm_importance_sampling_cap and args.repetition_penalty != 1:  # README: sampler mismatch
+        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
+                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
@@ -351,8 +352,9 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
-    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
+    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                    repetition_penalty=args.repetition_penalty, **truncation)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
@@ -363,9 +365,8 @@ def main(args: Args):
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    sampler = None
-    if args.use_vllm:
-        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length, **vllm_options)
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                           **vllm_options) if args.use_vllm else None)
     args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
@@ -390,7 +391,7 @@ def main(args: Args):
         with torch.no_grad():
             return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
                                                attention_mask[i:i + args.per_device_train_batch_size], prompt_width,
-                                               args.temperature)
+                                               args.temperature, **truncation)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
@@ -483,7 +484,7 @@ def main(args: Args):
                     idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
                         logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
-                                                          args.temperature, entropy=True)
+                                                          args.temperature, entropy=True, **truncation)
                         loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
                                                          cliprange=args.cliprange, token_weights=is_weights[idx],
                                                          loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
-from transformers import (GenerationConfig, LogitsProcessor, MinPLogitsWarper, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import GenerationConfig, LogitsProcessor, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from common.models import deepspeed_stage
 
@@ -38,10 +37,21 @@ def truncate_at_stop(ids: torch.Tensor, stop_ids: int | list[int], pad_id: int):
     return ids.masked_fill(~keep, pad_id), keep.long(), finished
 
 
+def truncate_scores(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, keep=None):
+    """scores [N, V] (logits / temperature) with -inf on the tokens truncated sampling drops, in vLLM 0.32's
+    order (v1/sample/sampler.py: min-p, then top-k, then top-p over what they keep), each step by HF's warper;
+    keep: [N] a token per row left as it is whatever its rank (a label the reference or moved weights rank out)."""
+    kept = scores
+    for warp in ([MinPLogitsWarper(min_p)] if min_p else []) + ([TopKLogitsWarper(top_k)] if top_k else []) + (
+            [TopPLogitsWarper(top_p)] if top_p < 1 else []):
+        kept = warp(None, kept)  # none of the three reads the ids
+    return kept if keep is None or kept is scores else kept.scatter_(1, keep[:, None], scores.gather(1, keep[:, None]))
+
+
 class SeededSampler(LogitsProcessor):
-    """Draws each row's next token from its own random stream (after temperature / top-k / top-p / min-p)
-    and returns scores on which greedy decoding picks it: a completion depends only on its prompt and
-    seed, not on its batch (HF samples every row from one generator), so 1 and N processes sample alike.
+    """Draws each row's next token from its own random stream, from `truncate_scores(scores / temperature)`,
+    and returns scores on which greedy decoding picks it: a completion depends only on its prompt and seed,
+    not on its batch (HF samples every row from one generator), so 1 and N processes sample alike.
     Each row's uniforms are drawn up front; a step picks every row's token by inverse CDF (a multinomial
     call per row and token cost 16x more on the tiny model)."""
 
@@ -49,13 +59,10 @@ class SeededSampler(LogitsProcessor):
                  max_new_tokens: int):
         self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator(device).manual_seed(s),
                                                 device=device) for s in seeds])
-        self.step = 0
-        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + (
-            [TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+        self.step, self.temperature, self.truncation = 0, temperature, dict(top_k=top_k, top_p=top_p, min_p=min_p)
 
     def __call__(self, input_ids, scores):
-        for warp in self.warpers:
-            scores = warp(input_ids, scores)
+        scores = truncate_scores(scores / self.temperature, **self.truncation)
         cdf = torch.softmax(scores.float(), dim=-1).cumsum(dim=-1)
         u = self.uniforms[:, self.step, None] * cdf[:, -1:]  # scaled by the total, which rounding moves off 1
         self.step += 1
@@ -88,8 +95,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     chunks = []
     for i in range(0, len(prompts), batch_size):
         ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
-        sampler = ([SeededSampler(seeds[i:i + batch_size], device, temperature, top_k, top_p, min_p, max_new_tokens)]
-                   if temperature > 0 else [])
+        sampler = ([SeededSampler(seeds[i:i + batch_size], device, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, max_new_tokens=max_new_tokens)] if temperature > 0 else [])
         # the samples of one prompt share its prefill: generate continues from the prompt's cache
         cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1, logits_to_keep=1)
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
@@ -143,11 +150,14 @@ def unwrapped_for_generation(accelerator, model, gather: bool = True):
             parameter_offload.FWD_MODULE_STACK.pop()  # the setup pushes the module a second time
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels[t]) under logits[t] / temperature ([B, T, V] -> [B, T]); sampling used the same
-    temperature. A chunk of positions at a time, the backward recomputing their softmax: an fp32 copy
-    exists only of one chunk (of a 150k vocabulary x 2 x 1024 positions it would be 1.2 GB, kept for backward)."""
-    return _SelectiveLogSoftmax.apply(logits, labels, temperature)
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """log q(labels[t]) ([B, T, V] -> [B, T]), q the distribution sampling drew from: softmax(logits[t] /
+    temperature) over the tokens top-k / top-p / min-p keep (`truncate_scores`), renormalised over them, as
+    vLLM's processed logprobs; the label always counts as kept (moved weights or the reference may rank it out).
+    A chunk of positions at a time, the backward recomputing their softmax: an fp32 copy exists only of
+    one chunk (of a 150k vocabulary x 2 x 1024 positions it would be 1.2 GB, kept for backward)."""
+    return _SelectiveLogSoftmax.apply(logits, labels, temperature, dict(top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 def _chunks(logits, elements: int = 2**21):
@@ -158,23 +168,25 @@ def _chunks(logits, elements: int = 2**21):
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, temperature):
+    def forward(ctx, logits, labels, temperature, truncation):
         out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         for c in _chunks(logits):
-            z = logits[c].float() / temperature  # not div_: for fp32 logits .float() is the logits themselves
+            # not div_: for fp32 logits .float() is the logits themselves
+            z = truncate_scores(logits[c].float() / temperature, keep=labels[c], **truncation)
             out[c] = z.gather(-1, labels[c][:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
         ctx.save_for_backward(logits, labels)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.truncation = temperature, truncation
         return out
 
     @staticmethod
     def backward(ctx, grad):
         logits, labels = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        for c in _chunks(logits):  # d/dz (z_y / T - logsumexp(z / T)) = (onehot(y) - softmax(z / T)) / T
-            g = torch.softmax(logits[c].float() / ctx.temperature, dim=-1).mul_(-grad[c][:, None])
+        for c in _chunks(logits):  # d/dz (z_y / T - logsumexp(z / T)) = (onehot(y) - q(z / T)) / T, 0 off the kept
+            z = truncate_scores(logits[c].float() / ctx.temperature, keep=labels[c], **ctx.truncation)
+            g = torch.softmax(z, dim=-1).mul_(-grad[c][:, None])
             grad_logits[c] = g.scatter_add_(-1, labels[c][:, None], grad[c][:, None]).div_(ctx.temperature)
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
 @torch.no_grad()

