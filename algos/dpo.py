@@ -467,7 +467,7 @@ def main(args: Args):
         with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
             if not accelerator.is_main_process:
                 return
-            _, _, ids, _, _ = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens, temperature=0.0)
+            ids = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens, temperature=0.0).completion_ids
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c,
                     "chosen": tokenizer.decode(ch, skip_special_tokens=True)}
                    for (p, ch, _), c in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True))]

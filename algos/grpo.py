@@ -450,13 +450,12 @@ def main(args: Args):
             if sampler is not None:
                 if step > 0 and not draws or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                     push_seconds = sampler.push_weights(model)
-                p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(
-                    tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
+                samples = sampler.generate(tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
             else:
                 with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids,
-                                                                      seeds=seeds, **sampling)
-                sampler_logps = None
+                    samples = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
+            p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+            finished, sampler_logps = samples.finished, samples.sampler_logps
             episode, draws = episode + args.generation_batch_size, draws + 1
 
             # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----

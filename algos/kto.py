@@ -414,7 +414,7 @@ def main(args: Args):
         with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
             if not accelerator.is_main_process:
                 return
-            _, _, ids, _, _ = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens, temperature=0.0)
+            ids = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens, temperature=0.0).completion_ids
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
                    for p, c in zip(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True))]
         tracker.log_samples(samples, step)

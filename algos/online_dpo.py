@@ -342,13 +342,14 @@ def main(args: Args):
             if sampler is not None:
                 if sampler.needs_push:  # sleep level 2 dropped the engine's weights after its last rollout
                     push_seconds = sampler.push_weights(model)
-                p_ids, p_mask, c_ids, c_mask, finished, _ = sampler.generate(
-                    tokenizer, batch_prompt_ids, args.max_new_tokens, temperature=args.temperature, seeds=seeds)
+                samples = sampler.generate(tokenizer, batch_prompt_ids, args.max_new_tokens,
+                                           temperature=args.temperature, seeds=seeds)
             else:
                 with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids,
-                                                                      args.max_new_tokens, temperature=args.temperature,
-                                                                      seeds=seeds)
+                    samples = generate(unwrapped, tokenizer, batch_prompt_ids, args.max_new_tokens,
+                                       temperature=args.temperature, seeds=seeds)
+            p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+            finished = samples.finished
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
             episode += len(pair_indices) * args.world_size

@@ -411,14 +411,15 @@ def main(args: Args):
         if sampler is not None:
             if step > 1 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                 push_seconds = sampler.push_weights(accelerator.unwrap_model(model).policy)
-            p_ids, p_mask, r_ids, r_mask, finished, sampler_logps = sampler.generate(
-                tokenizer, batch_prompt_ids, args.response_length, temperature=args.temperature, seeds=seeds)
+            samples = sampler.generate(tokenizer, batch_prompt_ids, args.response_length, temperature=args.temperature,
+                                       seeds=seeds)
         else:
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                p_ids, p_mask, r_ids, r_mask, finished = generate(unwrapped.policy, tokenizer, batch_prompt_ids,
-                                                                  args.response_length, temperature=args.temperature,
-                                                                  seeds=seeds)
-            sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device)
+                samples = generate(unwrapped.policy, tokenizer, batch_prompt_ids, args.response_length,
+                                   temperature=args.temperature, seeds=seeds)
+        p_ids, p_mask, r_ids, r_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+        finished = samples.finished
+        sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device) if sampler is None else samples.sampler_logps
         sampled = r_mask.float()  # the tokens the sampler drew (and gave logprobs for)
         if args.stop_token == "none":
             r_ids, r_mask = r_ids.masked_fill(r_mask == 0, tokenizer.eos_token_id), torch.ones_like(r_mask)

@@ -412,13 +412,13 @@ def main(args: Args):
         if sampler is not None:
             if step > 1 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                 push_seconds = sampler.push_weights(model)
-            p_ids, p_mask, c_ids, c_mask, finished, sampler_logps = sampler.generate(tokenizer, batch_prompt_ids,
-                                                                                     seeds=seeds, **sampling)
+            samples = sampler.generate(tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
         else:
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                p_ids, p_mask, c_ids, c_mask, finished = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds,
-                                                                  **sampling)
-            sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device)
+                samples = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
+        p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+        finished = samples.finished
+        sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device) if sampler is None else samples.sampler_logps
         # the same prompt width on every rank, so that the rollout can be gathered
         p_ids = accelerator.pad_across_processes(p_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
         p_mask = accelerator.pad_across_processes(p_mask, dim=1, pad_index=0, pad_first=True)

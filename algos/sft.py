@@ -239,8 +239,8 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
     with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
         if not accelerator.is_main_process:
             return
-        _, _, completion_ids, _, _ = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
-                                              args.max_new_tokens, 0.0)
+        completion_ids = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
+                                  args.max_new_tokens, temperature=0.0).completion_ids
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     samples = [{"prompt": str(p), "completion": c, "reference": str(r["completion"] if "completion" in r else
                                                                   r["messages"][-1] if "messages" in r else r["text"][len(p):])}

@@ -168,9 +168,9 @@ def generate_hf(args: Args, tokenizer, prompt_ids: list[list[int]]) -> tuple[lis
     model = load_policy(args.model_name_or_path, tokenizer, args.torch_dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     seeds = [args.seed * 10**9 + i for i in range(len(prompt_ids))]
-    _, _, ids, _, finished = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature,
-                                      batch_size=args.generation_batch_size, seeds=seeds)
-    return tokenizer.batch_decode(ids, skip_special_tokens=True), finished.tolist()
+    samples = generate(model, tokenizer, prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                       batch_size=args.generation_batch_size, seeds=seeds)
+    return tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True), samples.finished.tolist()
 
 
 def generate_vllm(args: Args, tokenizer, prompt_ids: list[list[int]]) -> tuple[list[str], list[bool]]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from benchmarks import tiny_tldr
 from common.data import encode_prompt
-from common.generation import generate, shifted_logits, token_logprobs
+from common.generation import Samples, generate, shifted_logits, token_logprobs
 from common.models import load_policy, load_reward_model, load_tokenizer
 from common.rewards import score_with_model
 
@@ -44,11 +44,12 @@ class Args:
     """JSON file written (default <run_dir>/eval.json)"""
 
 
-def sequence_kl(policy, ref, prompt_ids, prompt_mask, completion_ids, completion_mask, batch_size: int = 64):
+def sequence_kl(policy, ref, samples: Samples, batch_size: int = 64):
     """Per sequence, sum_t [log pi(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t)] over the completion
     tokens (up to and including EOS). For y sampled from pi at temperature 1, its mean over sequences
     is an unbiased Monte-Carlo estimate of KL(pi || pi_ref) (the k1 estimator, summed over tokens)."""
-    width = prompt_ids.shape[1]
+    prompt_ids, prompt_mask, completion_ids = samples.prompt_ids, samples.prompt_mask, samples.completion_ids
+    completion_mask, width = samples.completion_mask, samples.prompt_ids.shape[1]
     kls = []
     for i in range(0, len(prompt_ids), batch_size):
         ids = torch.cat([prompt_ids[i:i + batch_size], completion_ids[i:i + batch_size]], 1)
@@ -66,10 +67,9 @@ def evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer
     prompts = [r["prompt"] for r in rows]
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     # 1. greedy summaries: what each script's final gold evaluation judged (deterministic)
-    _, _, ids, mask, finished = generate(policy, tokenizer, encoded, args.max_new_tokens, temperature=0.0,
-                                         batch_size=args.batch_size)
-    summaries = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    finished = finished.tolist()
+    greedy = generate(policy, tokenizer, encoded, args.max_new_tokens, temperature=0.0, batch_size=args.batch_size)
+    summaries = tokenizer.batch_decode(greedy.completion_ids, skip_special_tokens=True)
+    finished = greedy.finished.tolist()
     rate, ci = tiny_tldr.win_rate(prompts, summaries, [r["completion"] for r in rows], finished)
     gold = [tiny_tldr.gold_score(p, s, f) for p, s, f in zip(prompts, summaries, finished)]
     # 2. the trained reward model's score of the same summaries (as the online scripts score samples)
@@ -77,12 +77,12 @@ def evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer
     # 3. KL to the SFT model: one temperature-1 sample per prompt, seeded by the prompt's index, so
     # every policy (and every training seed) is measured on the same prompts with the same seeds
     n = min(args.kl_prompts, len(rows))
-    p_ids, p_mask, c_ids, c_mask, _ = generate(policy, tokenizer, encoded[:n], args.max_new_tokens, temperature=1.0,
-                                               batch_size=args.batch_size, seeds=list(range(n)))
-    kl = sequence_kl(policy, sft, p_ids, p_mask, c_ids, c_mask, args.batch_size)
+    sampled = generate(policy, tokenizer, encoded[:n], args.max_new_tokens, temperature=1.0, batch_size=args.batch_size,
+                       seeds=list(range(n)))
+    kl = sequence_kl(policy, sft, sampled, args.batch_size)
     return {"win_rate": rate, "win_rate_ci": ci, "gold_score": sum(gold) / len(gold),
             "rm_score": rm_scores.mean().item(), "kl": kl.mean().item(), "kl_sem": (kl.std() / n ** 0.5).item(),
-            "mean_length": mask.sum(1).float().mean().item(), "finished": sum(finished) / len(finished),
+            "mean_length": greedy.completion_mask.sum(1).float().mean().item(), "finished": sum(finished) / len(finished),
             "num_prompts": len(rows), "kl_prompts": n}
 
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ class SeededSampler(LogitsProcessor):
     Each row's uniforms are drawn up front; a step picks every row's token by inverse CDF (a multinomial
     call per row and token cost 16x more on the tiny model)."""
 
-    def __init__(self, seeds: list[int], device, temperature: float, top_k: int, top_p: float, min_p: float,
+    def __init__(self, seeds: list[int], device, *, temperature: float, top_k: int, top_p: float, min_p: float,
                  max_new_tokens: int):
         self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator(device).manual_seed(s),
                                                 device=device) for s in seeds])
@@ -71,13 +72,24 @@ class SeededSampler(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(1, tokens, 0.0)
 
 
+@dataclass
+class Samples:
+    """Completions of a batch of prompts, from HF `generate` or from vLLM (common/vllm.py), each cut at its
+    first stop token (`stop_token_ids`)."""
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # [N, T] up to and including the stop token, padded after it
+    completion_mask: torch.Tensor  # [N, T] 1 on those tokens
+    finished: torch.Tensor  # [N] the completion stopped by itself (else max_new_tokens cut it)
+    sampler_logps: torch.Tensor | None = None  # [N, T] vLLM's logprob of each token (0 after it); None from HF
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             batch_size: int = 64, seeds: list[int] | None = None):
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             batch_size: int = 64, seeds: list[int] | None = None) -> Samples:
     """Sample with HF `generate` (temperature 0: greedy), row i with seed seeds[i] (default: drawn from
-    torch's generator). Returns (prompt_ids, prompt_mask (left-padded), completion_ids, completion_mask,
-    finished): completions end at their first stop token (`stop_token_ids`), the mask covers it."""
+    torch's generator)."""
     stop_ids = stop_token_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=repetition_penalty,
                               eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
@@ -104,8 +116,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
                             value=tokenizer.pad_token_id))
     model.train(was_training)
-    completion_ids, completion_mask, finished = truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id)
-    return prompt_ids.to(device), prompt_mask.to(device), completion_ids, completion_mask, finished
+    return Samples(prompt_ids.to(device), prompt_mask.to(device),
+                   *truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id))
 
 
 @contextlib.contextmanager

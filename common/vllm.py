@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
-from common.generation import pad, stop_token_ids, truncate_at_stop
+from common.generation import Samples, pad, stop_token_ids, truncate_at_stop
 from common.models import deepspeed_stage
 from common.runtime import UserError
 
@@ -206,10 +206,10 @@ class VLLMSampler:
             self.needs_push = False
         return time.time() - start
 
-    def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, *,
-                 seeds: list[int]):
-        """As common.generation.generate, plus the sampler's logprob of each completion token [N, T]."""
+    def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 seeds: list[int]) -> Samples:
+        """As common.generation.generate, with the sampler's logprob of each completion token."""
         stop_ids = stop_token_ids(self.generation_config, tokenizer)  # the same as HF generate's
         params = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k or -1,
                       min_p=min_p, repetition_penalty=repetition_penalty, logprobs=0, stop_token_ids=stop_ids)
@@ -249,5 +249,5 @@ class VLLMSampler:
         ids = torch.tensor([list(t) + [tokenizer.pad_token_id] * (max_new_tokens - len(t)) for t, _ in results])
         logps = torch.tensor([list(lp) + [0.0] * (max_new_tokens - len(lp)) for _, lp in results])
         completion_ids, completion_mask, finished = truncate_at_stop(ids, stop_ids, tokenizer.pad_token_id)
-        return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
-                finished.to(device), logps.to(device) * completion_mask.to(device))
+        return Samples(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
+                       finished.to(device), sampler_logps=logps.to(device) * completion_mask.to(device))

@@ -46,7 +46,7 @@ if kind == "plain":  # the engine answers [the prompt's last token, the seed], s
     sampler = common_vllm.VLLMSampler(accelerator, model_path, 64, **vllm_options(dtype="float32", tensor_parallel_size=2))
     rank = accelerator.process_index
     prompts, seeds = [[5, 10 + 10 * rank + i] for i in range(2 + rank)], [100 + 10 * rank + i for i in range(2 + rank)]
-    ids = sampler.generate(tokenizer, prompts, 2, seeds=seeds)[2]
+    ids = sampler.generate(tokenizer, prompts, 2, seeds=seeds).completion_ids
     engine = vllm.LLM.last
     torch.save({"asked": engine.prompts, "seeds": [q.seed for q in engine.params], "got": ids.tolist(),
                 "tensor_parallel_size": engine.kwargs["tensor_parallel_size"]}, f"{out}/tp{rank}.pt")

@@ -179,12 +179,14 @@ def test_generate_returns_masked_completions_cut_at_the_first_stop_token(tiny_mo
     model = load_policy(tiny_model, tokenizer)
     prompts = [tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids] * 2
     sample = dict(max_new_tokens=6, temperature=1.0, batch_size=2, seeds=[0, 1, 2, 3])
-    free = generate(model, tokenizer, prompts, **sample)[2]
+    free = generate(model, tokenizer, prompts, **sample).completion_ids
     # the tiny model rarely samples EOS in 6 tokens: make row 0's third token a stop token too (as a
     # chat model's generation_config adds <|im_end|> to the tokenizer's EOS), so that rows do finish
     stop = free[0, 2].item()
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
-    prompt_ids, prompt_mask, ids, mask, finished = generate(model, tokenizer, prompts, **sample)
+    out = generate(model, tokenizer, prompts, **sample)
+    prompt_ids, prompt_mask, ids, mask, finished = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
+                                                    out.finished)
     assert prompt_ids.shape[0] == 4 and prompt_mask[0, 0] == 0  # left-padded
     assert ids.shape == (4, 6) and mask.shape == (4, 6)
     assert ids[0, :3].tolist() == free[0, :3].tolist() and mask[0].tolist() == [1, 1, 1, 0, 0, 0] and finished[0]
@@ -202,22 +204,22 @@ def test_seeded_sampler_draws_from_the_warped_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     n, temperature = 4000, 0.7
     scores = logits.repeat(n, 1)
-    picks = SeededSampler(list(range(n)), "cpu", temperature, 0, 1.0, 0.0, 1)(None, scores).argmax(-1)
+    picks = SeededSampler(list(range(n)), "cpu", temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=1)(None, scores).argmax(-1)
     expected = [math.exp(x / temperature) for x in logits.tolist()]
     expected = [e / sum(expected) for e in expected]
     observed = torch.bincount(picks, minlength=4).float() / n
     assert all(abs(o - e) < 0.03 for o, e in zip(observed.tolist(), expected)), (observed, expected)
     # top-k 2 leaves only the two largest logits
-    picks = SeededSampler(list(range(n)), "cpu", 1.0, 2, 1.0, 0.0, 1)(None, scores).argmax(-1)
+    picks = SeededSampler(list(range(n)), "cpu", temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, max_new_tokens=1)(None, scores).argmax(-1)
     assert set(picks.tolist()) == {0, 1}
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(tiny_model, tokenizer):
     model = load_policy(tiny_model, tokenizer)
     a, b = tokenizer("TITLE: a").input_ids, tokenizer("TITLE: a longer prompt here").input_ids
-    together = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33])[2]
-    alone = generate(model, tokenizer, [b], 8, temperature=1.0, seeds=[22])[2]
-    split = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33], batch_size=1)[2]
+    together = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33]).completion_ids
+    alone = generate(model, tokenizer, [b], 8, temperature=1.0, seeds=[22]).completion_ids
+    split = generate(model, tokenizer, [a, b, b], 8, temperature=1.0, seeds=[11, 22, 33], batch_size=1).completion_ids
     assert torch.equal(together[1], alone[0]) and torch.equal(together, split)
     assert not torch.equal(together[1], together[2])  # same prompt, other seed: another sample
 

@@ -31,8 +31,9 @@ def test_sampling_truncation_and_logprob_masks_do_not_depend_on_the_pad_id(tiny_
     results = []
     for tok in tokenizers:
         prompts = [tok(p).input_ids for p in PROMPTS]
-        p_ids, p_mask, c_ids, c_mask, finished = generate(model, tok, prompts, 16, temperature=1.0,
-                                                          seeds=list(range(len(prompts))))
+        out = generate(model, tok, prompts, 16, temperature=1.0, seeds=list(range(len(prompts))))
+        p_ids, p_mask, c_ids, c_mask, finished = (out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                                  out.completion_mask, out.finished)
         ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         with torch.no_grad():
             logps = token_logprobs(shifted_logits(model, ids, mask)[:, p_ids.shape[1] - 1:], c_ids) * c_mask

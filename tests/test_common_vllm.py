@@ -68,7 +68,7 @@ def fake_vllm(monkeypatch):
 
 
 def sample(sampler, tokenizer, prompts):
-    return sampler.generate(tokenizer, prompts, 4, 1.0, 1.0, 0, 0.0, 1.0, seeds=list(range(len(prompts))))
+    return sampler.generate(tokenizer, prompts, 4, temperature=1.0, seeds=list(range(len(prompts))))
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -145,7 +145,8 @@ def test_hf_and_vllm_stop_at_every_eos_of_the_generation_config(fake_vllm, tmp_p
         out.logits = table[kwargs["input_ids"]][:, -out.logits.shape[1]:]
         return out
     policy.register_forward_hook(fixed_logits, with_kwargs=True)
-    _, _, ids, mask, finished = generate(policy, tokenizer, [[10, 11, 5], [12, 6]], max_new_tokens=6, temperature=0)
+    out = generate(policy, tokenizer, [[10, 11, 5], [12, 6]], max_new_tokens=6, temperature=0)
+    ids, mask, finished = out.completion_ids, out.completion_mask, out.finished
     pad = tokenizer.pad_token_id
     assert ids.tolist() == [[6, second] + [pad] * 4, [second] + [pad] * 5]
     assert mask.tolist() == [[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]] and finished.tolist() == [True, True]
@@ -161,7 +162,8 @@ def test_hf_and_vllm_stop_at_every_eos_of_the_generation_config(fake_vllm, tmp_p
     # and its completions are cut and masked at them
     policy.save_pretrained(tmp_path)
     sampler = VLLMSampler(stand_in_accelerator(), str(tmp_path), max_length=64, **vllm_options())
-    _, _, ids, mask, finished, _ = sample(sampler, tokenizer, [[10, 11, 5]])
+    out = sample(sampler, tokenizer, [[10, 11, 5]])
+    ids, mask, finished = out.completion_ids, out.completion_mask, out.finished
     assert FakeLLM.last.params[0].stop_token_ids == [eos, second]
     assert ids.tolist() == [[6, second, pad, pad]] and mask.tolist() == [[1, 1, 0, 0]] and finished.tolist() == [True]
 

@@ -15,6 +15,7 @@ import tyro
 
 from benchmarks import run_tiny_tldr, study_tiny_tldr
 from benchmarks.tiny_tldr_eval import load_checkpoint, sequence_kl
+from common.generation import Samples
 from tests.conftest import FixedLogits, run_script
 from tests.test_sft import read_log
 
@@ -31,12 +32,13 @@ def test_sequence_kl_sums_log_ratios_over_completion_tokens():
     # prompts [2] (left-padded; pad id 1) and [0, 1]; completions 0 1 2 and 1 1 (then padding)
     prompt_ids, prompt_mask = torch.tensor([[1, 2], [0, 1]]), torch.tensor([[0, 1], [1, 1]])
     completion_ids, completion_mask = torch.tensor([[0, 1, 2], [1, 1, 1]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
-    kl = sequence_kl(fixed(P), fixed(Q), prompt_ids, prompt_mask, completion_ids, completion_mask)
+    samples = Samples(prompt_ids, prompt_mask, completion_ids, completion_mask, finished=None)
+    kl = sequence_kl(fixed(P), fixed(Q), samples)
     # by hand: each token's log P(y | previous token) - log Q(y | previous token)
     first = math.log(P[2][0] / Q[2][0]) + math.log(P[0][1] / Q[0][1]) + math.log(P[1][2] / Q[1][2])
     second = math.log(P[1][1] / Q[1][1]) + math.log(P[1][1] / Q[1][1])
     assert kl.tolist() == pytest.approx([first, second], abs=1e-6)
-    assert sequence_kl(fixed(P), fixed(P), prompt_ids, prompt_mask, completion_ids, completion_mask).abs().max() < 1e-6
+    assert sequence_kl(fixed(P), fixed(P), samples).abs().max() < 1e-6
 
 
 def test_sequence_kl_mean_over_samples_estimates_the_exact_kl():
@@ -51,8 +53,9 @@ def test_sequence_kl_mean_over_samples_estimates_the_exact_kl():
         current = torch.multinomial(torch.tensor(P)[current], 1, generator=generator).squeeze(1)
         tokens.append(current)
     completion_ids = torch.stack(tokens, 1)
-    kl = sequence_kl(fixed(P), fixed(Q), torch.full((n, 1), 2), torch.ones(n, 1, dtype=torch.long),
-                     completion_ids, torch.ones_like(completion_ids), batch_size=5000)
+    samples = Samples(torch.full((n, 1), 2), torch.ones(n, 1, dtype=torch.long), completion_ids,
+                      torch.ones_like(completion_ids), finished=None)
+    kl = sequence_kl(fixed(P), fixed(Q), samples, batch_size=5000)
     assert abs(kl.mean().item() - exact) < 4 * kl.std().item() / math.sqrt(n)
     assert exact > 0.1  # the two tables differ enough for the check to mean something
 

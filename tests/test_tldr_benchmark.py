@@ -206,8 +206,8 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
         rows = [json.loads(line) for line in f][:6]
     assert [(e["prompt"], e["reference"]) for e in examples] == [(r["prompt"], r["completion"]) for r in rows]
     tokenizer = load_tokenizer(tiny_model)
-    _, _, ids, _, _ = generate(load_policy(tiny_model, tokenizer), tokenizer,
-                               [encode_prompt(tokenizer, r["prompt"]) for r in rows], 8, temperature=0.0)
+    ids = generate(load_policy(tiny_model, tokenizer), tokenizer, [encode_prompt(tokenizer, r["prompt"]) for r in rows], 8,
+                   temperature=0.0).completion_ids
     assert [e["summary"] for e in examples] == tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 

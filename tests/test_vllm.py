@@ -93,7 +93,7 @@ def test_colocated_engine_follows_pushed_weights(sft_model, sampler):
     def both():
         hf = generate(policy, tokenizer, prompts, **greedy)
         engine = sampler.generate(tokenizer, prompts, **greedy, seeds=list(range(len(prompts))))
-        return hf[2], engine[2], engine[5]
+        return hf.completion_ids, engine.completion_ids, engine.sampler_logps
 
     hf, engine, sampler_logps = both()
     assert torch.equal(hf, engine)
@@ -115,8 +115,8 @@ def test_colocated_engine_follows_pushed_weights(sft_model, sampler):
 
     # sampling: a completion depends on its seed only
     sample = dict(greedy, temperature=1.0)
-    a = sampler.generate(tokenizer, prompts[:2], **sample, seeds=[5, 6])[2]
-    b = sampler.generate(tokenizer, prompts[1:2], **sample, seeds=[6])[2]
+    a = sampler.generate(tokenizer, prompts[:2], **sample, seeds=[5, 6]).completion_ids
+    b = sampler.generate(tokenizer, prompts[1:2], **sample, seeds=[6]).completion_ids
     assert torch.equal(a[1], b[0])
 
 
@@ -134,9 +134,9 @@ def test_lora_push_follows_the_adapted_policy(sft_model, sampler):
         optimizer.step()
         optimizer.zero_grad()
     with policy.disable_adapter():
-        hf_base = generate(policy, tokenizer, prompts, **GREEDY)[2]
+        hf_base = generate(policy, tokenizer, prompts, **GREEDY).completion_ids
     sampler.push_weights(policy)
-    hf = generate(policy, tokenizer, prompts, **GREEDY)[2]
+    hf = generate(policy, tokenizer, prompts, **GREEDY).completion_ids
     assert not torch.equal(hf, hf_base)  # the adapters change the completions ...
-    assert torch.equal(sampler.generate(tokenizer, prompts, **GREEDY, seeds=seeds)[2], hf)  # ... and the engine's
+    assert torch.equal(sampler.generate(tokenizer, prompts, **GREEDY, seeds=seeds).completion_ids, hf)  # ... and the engine's
     assert all(torch.equal(p, base[n]) for n, p in _hf_parameters(policy))

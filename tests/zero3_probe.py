@@ -34,7 +34,7 @@ with torch.no_grad():
     with unwrapped_for_generation(accelerator, model) as unwrapped:
         calls["on"] = True
         whole = unwrapped(input_ids=ids).logits
-        _, _, completion, _, _ = generate(unwrapped, tokenizer, [ids[0].tolist()] * 2, max_new_tokens=8, temperature=0.0)
+        completion = generate(unwrapped, tokenizer, [ids[0].tolist()] * 2, max_new_tokens=8, temperature=0.0).completion_ids
         calls["on"] = False
     again = model(input_ids=ids).logits  # the hooks are back: a sharded forward still works
 with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as f:
