@@ -434,58 +434,69 @@ def main(args: Args):
         next(prompts_iter)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
+    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
+    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
+
+    def draw_batch(first: bool) -> dict:
+        """ROLLOUT and SCORE: the next generation batch (this rank's share of its prompts), num_generations
+        completions per prompt from the current policy, and their rewards (NaN: no source scored it)."""
+        nonlocal episode, push_seconds
+        indices = next(prompts_iter)
+        # one seed per completion, from its place in the run: the same samples on 1 or N processes
+        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        episode += args.generation_batch_size
+        if sampler is not None:
+            if first and step > 0 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
+                push_seconds = sampler.push_weights(model)
+            samples = sampler.generate(tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
+        else:
+            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
+                samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
+        c_ids, c_mask = samples.completion_ids, samples.completion_mask
+        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        rewards, per_source = compute_rewards(sources, weights, prompts, completions, columns,
+                                              [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
+        if args.missing_eos_penalty is not None:
+            rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
+        if args.overlong_buffer_length:
+            rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length, args.overlong_buffer_length,
+                                                 args.overlong_penalty_factor)
+        return dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask, rewards=rewards,
+                    finished=samples.finished.long(), per_source=torch.stack(list(per_source.values()), 1),
+                    sampler_logps=samples.sampler_logps)
+
+    def dynamic_sampling(batch: dict) -> tuple[dict, int]:
+        """DAPO: draw generation batches until generation_batch_size completions (every rank's, in rank order)
+        belong to groups whose rewards differ, or max_dynamic_sampling_rounds are drawn (constant groups then
+        fill the rest); this rank's share of those, and the number of batches drawn."""
+        pool = []  # (informative rows, the batch's rows of all ranks)
+        while True:
+            batch = {k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items() if v is not None}
+            pool.append((informative_groups(batch["rewards"], args.num_generations).repeat_interleave(args.num_generations),
+                         batch))
+            if sum(int(keep.sum()) for keep, _ in pool) >= args.generation_batch_size or \
+                    len(pool) >= args.max_dynamic_sampling_rounds:
+                break
+            batch = draw_batch(first=False)
+        kept = {k: torch.cat([b[k][keep] for keep, b in pool] + [b[k][~keep] for keep, b in pool]) for k in batch}
+        return {k: v[:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index]
+                for k, v in kept.items()}, len(pool)
+
     # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
     # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
-    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
-    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
     while step < args.num_steps:
-        draws, pool = 0, []  # dynamic sampling: (informative rows, rows) of every round, all ranks
-        while rollout is None:
-            # ---- ROLLOUT: sample num_generations completions per prompt with the current policy ----
-            indices = next(prompts_iter)
-            # one seed per completion, from its place in the run: the same samples on 1 or N processes
-            seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-            batch_prompt_ids = [prompt_ids[i] for i in indices]
-            if sampler is not None:
-                if step > 0 and not draws or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
-                    push_seconds = sampler.push_weights(model)
-                samples = sampler.generate(tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
-            else:
-                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    samples = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
-            p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
-            finished, sampler_logps = samples.finished, samples.sampler_logps
-            episode, draws = episode + args.generation_batch_size, draws + 1
-
-            # ---- SCORE: reward models and functions on the text, minus the EOS penalty ----
-            texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-            batch_prompts = [rows[i]["prompt"] for i in indices]
-            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                           for p, t in zip(batch_prompts, texts)]
-            columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-            rewards, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
-                                                  [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
-            rewards = rewards.to(accelerator.device)  # NaN: no reward source scored that completion
-            if args.missing_eos_penalty is not None:
-                rewards = rewards - args.missing_eos_penalty * (~finished).float()
-            if args.overlong_buffer_length:
-                rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length, args.overlong_buffer_length,
-                                                     args.overlong_penalty_factor)
-            if args.dynamic_sampling:  # DAPO: groups whose rewards differ, of every rank in order; constant ones if rounds run out
-                cand = dict(indices=torch.tensor(indices), c_ids=c_ids, c_mask=c_mask, finished=finished.long(), rewards=rewards,
-                            per_source=torch.stack(list(per_source.values()), 1), sampler_logps=sampler_logps)
-                cand = {k: accelerator.gather(v.to(accelerator.device)) for k, v in cand.items() if v is not None}
-                pool.append((informative_groups(cand["rewards"], args.num_generations).repeat_interleave(args.num_generations), cand))
-                if sum(int(keep.sum()) for keep, _ in pool) < args.generation_batch_size and draws < args.max_dynamic_sampling_rounds:
-                    continue
-                cand = {k: torch.cat([c[k][keep] for keep, c in pool] + [c[k][~keep] for keep, c in pool])
-                        [:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index] for k in cand}
-                indices, c_ids, c_mask, rewards = cand["indices"].tolist(), cand["c_ids"], cand["c_mask"], cand["rewards"]
-                finished, sampler_logps = cand["finished"].bool(), cand.get("sampler_logps")
-                per_source = dict(zip(per_source, cand["per_source"].T))
-                p_ids, p_mask = (t.to(accelerator.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
-                texts, batch_prompts = tokenizer.batch_decode(c_ids, skip_special_tokens=True), [rows[i]["prompt"] for i in indices]
+        if rollout is None:
+            # ---- ROLLOUT and SCORE: num_generations completions per prompt, from the current policy ----
+            batch, draws = draw_batch(first=True), 1
+            if args.dynamic_sampling:  # only groups whose rewards differ (every advantage of the others is 0)
+                batch, draws = dynamic_sampling(batch)
+            indices, c_ids, c_mask, rewards = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"], batch["rewards"]
+            finished, per_source = batch["finished"].bool(), dict(zip([n for n, _, _ in sources], batch["per_source"].T))
+            p_ids, p_mask = (t.to(accelerator.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
             input_ids, attention_mask, prompt_width = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
@@ -510,83 +521,81 @@ def main(args: Args):
                                                       args.temperature, **truncation) for s in micro]
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width,
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
-                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps,
-                              rewards=rewards, all_rewards=all_rewards, per_source=per_source, prompts=batch_prompts,
-                              texts=texts, draws=draws)
+                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps,
+                              sampler_logps=batch.get("sampler_logps"), rewards=rewards, all_rewards=all_rewards,
+                              per_source=per_source, prompts=[rows[i]["prompt"] for i in indices],
+                              texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True), draws=draws)
 
-        # ---- UPDATE: num_iterations optimizer steps over this generation batch (the rest of them after a resume) ----
-        for _ in range(args.num_iterations - step % args.num_iterations):
-            if step >= args.num_steps:
-                break
-            r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
-            for m, s in enumerate(micro):
-                with accelerator.accumulate(model):
-                    logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
-                                                      args.temperature, entropy=True, **truncation)
-                    old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
-                    is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                    if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
-                        is_weights, is_stats = vllm_importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
-                            mode=args.vllm_importance_sampling_mode, low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
-                        corrections.append(is_stats)
-                    pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
-                    loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
-                                            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
-                                            beta=args.beta, importance_sampling_level=args.importance_sampling_level,
-                                            max_completion_length=args.max_completion_length,
-                                            num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
-                                            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
-                    if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
-                        accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
-                            optimizer.zero_grad()  # drop this update: the step below then changes nothing
-                    optimizer.step()
-                    optimizer.zero_grad()
-                with torch.no_grad():
-                    mask, a = r.loss_mask[s], r.advantages[s][:, None]
-                    tokens = mask.sum().clamp(min=1)
-                    low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
-                    high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
-                    stats["loss"] += loss.detach()
-                    if args.beta:
-                        q = r.ref_logps[m] - logps.detach()
-                        stats["kl"] += ((torch.exp(q) - q - 1) * mask).sum() / tokens
-                    stats["entropy"] += (entropy * mask).sum() / tokens
-                    stats["clip_ratio/low_mean"] += (low * mask).sum() / tokens
-                    stats["clip_ratio/high_mean"] += (high * mask).sum() / tokens
-                    stats["clip_ratio/region_mean"] += ((low + high) * mask).sum() / tokens
-            scheduler.step()
-            tracker.step()
-            step += 1
+        # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
+        r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
+        for m, s in enumerate(micro):
+            with accelerator.accumulate(model):
+                logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
+                                                  args.temperature, entropy=True, **truncation)
+                old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
+                is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
+                if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
+                    is_weights, is_stats = vllm_importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
+                        mode=args.vllm_importance_sampling_mode, low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+                    corrections.append(is_stats)
+                pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
+                loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
+                                        loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
+                                        beta=args.beta, importance_sampling_level=args.importance_sampling_level,
+                                        max_completion_length=args.max_completion_length,
+                                        num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
+                                        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
+                optimizer.step()
+                optimizer.zero_grad()
+            with torch.no_grad():
+                mask, a = r.loss_mask[s], r.advantages[s][:, None]
+                tokens = mask.sum().clamp(min=1)
+                low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
+                high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
+                stats["loss"] += loss.detach()
+                if args.beta:
+                    q = r.ref_logps[m] - logps.detach()
+                    stats["kl"] += ((torch.exp(q) - q - 1) * mask).sum() / tokens
+                stats["entropy"] += (entropy * mask).sum() / tokens
+                stats["clip_ratio/low_mean"] += (low * mask).sum() / tokens
+                stats["clip_ratio/high_mean"] += (high * mask).sum() / tokens
+                stats["clip_ratio/region_mean"] += ((low + high) * mask).sum() / tokens
+        scheduler.step()
+        tracker.step()
+        step += 1
 
-            # ---- LOG ----
-            metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
-            scored = r.all_rewards[~r.all_rewards.isnan()]
-            metrics.update({
-                "reward": scored.mean().item(), "reward_std": scored.std().item(),
-                "completions/mean_length": accelerator.gather(r.completion_mask.sum(1).float()).mean().item(),
-                "completions/clipped_ratio": 1 - accelerator.gather(r.finished.float()).mean().item(),
-                "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
-                "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
-                "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
-                "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
-                **({"vllm/push_seconds": push_seconds} if sampler is not None else {}),
-                **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
-            for name, values in r.per_source.items():
-                metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-            for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
-                v = accelerator.gather(torch.stack([d[k] for d in corrections]))
-                metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
-            if step % args.eval_steps == 0 or step == 1:
-                tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": reward} for p, t, reward
-                                     in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
-            tracker.log(metrics, step)
-            if step % args.num_iterations == 0:  # the next step samples a new rollout
-                rollout = None
-            # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
-            checkpointer.end_of_step(step, {"episode": episode, "rollout": rollout and vars(rollout)})
+        # ---- LOG ----
+        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        scored = r.all_rewards[~r.all_rewards.isnan()]
+        metrics.update({
+            "reward": scored.mean().item(), "reward_std": scored.std().item(),
+            "completions/mean_length": accelerator.gather(r.completion_mask.sum(1).float()).mean().item(),
+            "completions/clipped_ratio": 1 - accelerator.gather(r.finished.float()).mean().item(),
+            "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
+            "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
+            "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
+            "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
+            **({"vllm/push_seconds": push_seconds} if sampler is not None else {}),
+            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
+        for name, values in r.per_source.items():
+            metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+        for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
+            v = accelerator.gather(torch.stack([d[k] for d in corrections]))
+            metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
+        if step % args.eval_steps == 0 or step == 1:
+            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": reward} for p, t, reward
+                                 in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
+        tracker.log(metrics, step)
+        if step % args.num_iterations == 0:  # the next step samples a new rollout
+            rollout = None
+        # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+        checkpointer.end_of_step(step, {"episode": episode, "rollout": rollout and vars(rollout)})
 
     # ---- SAVE ----
     save_model(accelerator, model, tokenizer, args.output_dir)
