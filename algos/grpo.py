@@ -456,8 +456,8 @@ def main(args: Args):
         prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        rewards, per_source = compute_rewards(sources, weights, prompts, completions, columns,
-                                              [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
+                                              completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
         rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
         if args.missing_eos_penalty is not None:
             rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()

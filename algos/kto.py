@@ -269,7 +269,7 @@ def logps_from(model, batch, device, share_prompts: bool = False):
 
 
 @torch.no_grad()
-def kl_logratios(policy, reference_scope, examples, pad_id: int, max_length: int, device):
+def kl_logratios(policy, reference_scope, examples, *, pad_id: int, max_length: int, device):
     """log pi - log pi_ref of a micro-batch's mismatched pairs (prompt i with completion i - 1, from
     kl_pairs: the reference point must not see a row's own completion), and the reference's logps of
     the rows themselves. `reference_scope`: a context that yields the reference model (with LoRA, the
@@ -368,7 +368,8 @@ def main(args: Args):
         logps = logps_from(policy, batch, accelerator.device)
         if kl is None and args.loss_type == "kto":
             kl_ratios, ref_logps = kl_logratios(policy, reference(accelerator, model, ref_model), examples,
-                                                tokenizer.pad_token_id, args.max_length, accelerator.device)
+                                                pad_id=tokenizer.pad_token_id, max_length=args.max_length,
+                                                device=accelerator.device)
             kl = kl_reference_point(kl_ratios, 0.0)
         if ref_logps is None:
             with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
@@ -441,8 +442,8 @@ def main(args: Args):
         z0, ref_logps = torch.zeros((), device=accelerator.device), [None] * len(micro)
         if args.loss_type == "kto":  # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
             kl_ratios, ref_logps = zip(*[kl_logratios(model, reference(accelerator, model, ref_model), m,
-                                                      tokenizer.pad_token_id, args.max_length, accelerator.device)
-                                         for m in micro])
+                                                      pad_id=tokenizer.pad_token_id, max_length=args.max_length,
+                                                      device=accelerator.device) for m in micro])
             z0 = kl_reference_point(accelerator.gather(torch.cat(kl_ratios)), 0.0)
         totals = defaultdict(float)  # name -> sum over micro-batches
         for examples, ref_m in zip(micro, ref_logps):

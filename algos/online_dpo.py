@@ -316,7 +316,7 @@ def main(args: Args):
             for start in range(0, len(order) - per_step + 1, per_step):
                 yield order[start:start + per_step][accelerator.process_index::args.world_size]
 
-    def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, prompt_width):
+    def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, *, prompt_width):
         """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
         logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
         return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
@@ -363,9 +363,9 @@ def main(args: Args):
                 picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
                 scores = judge_scores(picks).to(accelerator.device)
             else:
-                scores, per_source = compute_rewards(sources, weights, prompts, completions,
-                                                     {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"},
-                                                     [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+                columns = {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"}
+                scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
+                                                     completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean
                     source_scores[name].append(values.to(accelerator.device))
@@ -378,9 +378,9 @@ def main(args: Args):
 
             # ---- UPDATE: the DPO loss on (chosen, rejected) against the reference ----
             with accelerator.accumulate(model):
-                logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width)
+                logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width)
                 with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
-                    ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width)
+                    ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width)
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
                                                              ref_logps[rows_r], beta=beta, loss_type=args.loss_type)
                 loss = (losses * ranked).sum() / len(losses)

@@ -214,7 +214,7 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: reward shaping, GAE, whitening and the clipped losses
 # ---------------------------------------------------------------------------------------------
-def shape_rewards(logps, ref_logps, scores, mask, kl_coef: float, kl_estimator: str = "k1"):
+def shape_rewards(logps, ref_logps, scores, mask, *, kl_coef: float, kl_estimator: str = "k1"):
     """Per-token rewards [B, T]: -kl_coef * KL_t on every response token, plus the score at the
     last real token. Returns (rewards, per-token KL)."""
     k1 = (logps - ref_logps) * mask
@@ -303,7 +303,7 @@ class PolicyAndValue(torch.nn.Module):
 
 
 @torch.no_grad()
-def rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width: int, temperature: float, chunk_size: int):
+def rollout_pass(model, ref_model, input_ids, attention_mask, *, prompt_width: int, temperature: float, chunk_size: int):
     """The rollout's fixed quantities at each response position t (tokens input_ids[:, prompt_width:],
     prompts left-padded to prompt_width), in chunks of rows, without gradients: log pi_old(y_t) and
     log pi_ref(y_t), both from the logits before y_t divided by the sampling temperature, and V(s_t),
@@ -320,6 +320,22 @@ def rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width: int,
         outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s], temperature),
                      values))
     return tuple(torch.cat(x) for x in zip(*outs))
+
+
+@dataclass
+class Rollout:
+    """One rollout: first this rank's share, then (gathered) every rank's, from which the update draws its
+    micro-batches in one global shuffle, so that it does not depend on how many processes share it."""
+    input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then responses
+    attention_mask: torch.Tensor
+    response_ids: torch.Tensor  # [B, T] cut after the first EOS (N+ detail), padded after it
+    mask: torch.Tensor  # [B, T] response tokens
+    old_logps: torch.Tensor  # [B, T] the sampling-time policy's
+    ref_logps: torch.Tensor  # [B, T]
+    old_values: torch.Tensor  # [B, T] the value model's, before each response token
+    sampler_logps: torch.Tensor  # [B, T] vLLM's (0 with HF generate)
+    sampled: torch.Tensor  # [B, T] the tokens the sampler drew (and gave logprobs for)
+    scores: torch.Tensor  # [B] the reward
 
 
 def main(args: Args):
@@ -429,8 +445,9 @@ def main(args: Args):
         input_ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
         prompt_width, mask = p_ids.shape[1], r_mask.float()
         episode += args.rollout_batch_size
-        old_logps, ref_logps, old_values = rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width,
-                                                        args.temperature, args.local_rollout_forward_batch_size)
+        old_logps, ref_logps, old_values = rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width=prompt_width,
+                                                        temperature=args.temperature,
+                                                        chunk_size=args.local_rollout_forward_batch_size)
         old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
 
         # ---- SCORE: the reward model on the truncated response; the EOS trick (N+ detail). The reward
@@ -441,8 +458,8 @@ def main(args: Args):
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(batch_prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
-                                             [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])
+        scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,
+                                             columns=columns, completion_ids=[ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])
         scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:
             scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
@@ -452,22 +469,23 @@ def main(args: Args):
         # ---- REWARDS and ADVANTAGES: KL-shaped rewards, GAE, whitened advantages, over the whole
         # rollout gathered on every rank (micro-batches are then drawn from one global shuffle, so
         # the update does not depend on how many processes share it) ----
-        local_scores, local_finished = scores, finished
-        input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values, sampler_logps, sampled, scores = (
-            accelerator.gather(t) for t in (input_ids, attention_mask, r_ids, mask, old_logps, ref_logps, old_values,
-                                            sampler_logps, sampled, scores))
-        if scores.isnan().any():  # every rank sees the gathered scores: all stop alike
+        mine = Rollout(input_ids=input_ids, attention_mask=attention_mask, response_ids=r_ids, mask=mask,
+                       old_logps=old_logps, ref_logps=ref_logps, old_values=old_values, sampler_logps=sampler_logps,
+                       sampled=sampled, scores=scores)
+        r = Rollout(**{name: accelerator.gather(t) for name, t in vars(mine).items()})
+        if r.scores.isnan().any():  # every rank sees the gathered scores: all stop alike
             raise UserError("a response has no reward: the reward model has weight 0 and no reward function scored it "
                             "(None); PPO needs a score for every response (give the reward model a weight)")
-        rewards, kl = shape_rewards(old_logps, ref_logps, scores, mask, args.kl_coef, args.kl_estimator)
+        rewards, kl = shape_rewards(r.old_logps, r.ref_logps, r.scores, r.mask, kl_coef=args.kl_coef,
+                                    kl_estimator=args.kl_estimator)
         if args.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
-        advantages, returns = gae(rewards, old_values, args.gamma, args.lam)
-        advantages = whiten(advantages, mask)  # N+ detail: advantage whitening over the batch
+            rewards = whiten(rewards, r.mask, shift_mean=False)
+        advantages, returns = gae(rewards, r.old_values, args.gamma, args.lam)
+        advantages = whiten(advantages, r.mask)  # N+ detail: advantage whitening over the batch
         # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
-        is_weights, is_stats = torch.ones_like(old_logps), {}
+        is_weights, is_stats = torch.ones_like(r.old_logps), {}
         if sampler is not None and args.vllm_importance_sampling_cap:
-            is_weights, is_stats = vllm_importance_weights(old_logps, sampler_logps, sampled, mode=args.vllm_importance_sampling_mode,
+            is_weights, is_stats = vllm_importance_weights(r.old_logps, r.sampler_logps, r.sampled, mode=args.vllm_importance_sampling_mode,
                                                            low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
@@ -478,13 +496,13 @@ def main(args: Args):
                 for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
                     first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
                     idx = order[first:first + args.per_device_train_batch_size]
-                    m = mask[idx]
+                    m = r.mask[idx]
                     with accelerator.accumulate(model):
-                        logits, values = model(input_ids[idx], attention_mask[idx], prompt_width, args.temperature)
-                        logps = token_logprobs(logits, r_ids[idx])
-                        pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, old_logps[idx], advantages[idx], m,
+                        logits, values = model(r.input_ids[idx], r.attention_mask[idx], prompt_width, args.temperature)
+                        logps = token_logprobs(logits, r.response_ids[idx])
+                        pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, r.old_logps[idx], advantages[idx], m,
                                                                             cliprange=args.cliprange, token_weights=is_weights[idx])
-                        vf_loss, vf_clipfrac = value_loss(values, old_values[idx], returns[idx], m,
+                        vf_loss, vf_clipfrac = value_loss(values, r.old_values[idx], returns[idx], m,
                                                           cliprange_value=args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
@@ -511,13 +529,13 @@ def main(args: Args):
         n = args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps
         metrics = reduce_stats(accelerator, stats, n)
         metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
-        seq_kl, all_scores = kl.sum(1), scores
+        seq_kl, all_scores = kl.sum(1), r.scores
         metrics |= {"objective/kl": seq_kl.mean().item(),
-                    "objective/entropy": (-old_logps.sum(1)).mean().item(),
+                    "objective/entropy": (-r.old_logps.sum(1)).mean().item(),
                     "objective/non_score_reward": -args.kl_coef * seq_kl.mean().item(),
                     "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
                     "objective/scores": all_scores.mean().item(),
-                    "val/num_eos_tokens": accelerator.gather(local_finished.float()).sum().item(),
+                    "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
                     "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
@@ -526,7 +544,7 @@ def main(args: Args):
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
-                                 for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
+                                 for p, t, s in zip(batch_prompts, texts, mine.scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

@@ -219,7 +219,7 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     return {name: value / pairs for name, value in sums.items()}
 
 
-def log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator):
+def log_samples(model, tokenizer, eval_examples, args, *, tracker, step: int, accelerator):
     """A few eval pairs with the rewards the model gives them."""
     if args.num_sample_pairs <= 0:
         return
@@ -344,7 +344,7 @@ def main(args: Args):
                     "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics.update(evaluate(model, eval_examples, args, tokenizer, accelerator))
-            log_samples(model, tokenizer, eval_examples, args, tracker, step, accelerator)
+            log_samples(model, tokenizer, eval_examples, args, tracker=tracker, step=step, accelerator=accelerator)
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 

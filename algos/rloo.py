@@ -308,6 +308,19 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
     return (logps, token_entropy(logits, temperature)) if entropy else logps
 
 
+@dataclass
+class Rollout:
+    """One rollout, every rank's (gathered: the update draws its micro-batches from one global shuffle), and
+    what its num_ppo_epochs x num_mini_batches updates need."""
+    input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
+    attention_mask: torch.Tensor
+    prompt_width: int  # P
+    mask: torch.Tensor  # [B, T] completion tokens that enter the loss (unscorable completions' do not)
+    old_logps: torch.Tensor  # [B, T] the sampling-time policy's
+    advantages: torch.Tensor  # [B] or [B, T] (token_level_kl)
+    is_weights: torch.Tensor  # [B, T] sampler-mismatch correction (1: off)
+
+
 def main(args: Args):
     check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -359,14 +372,13 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
-    # the scheduler is not prepared: accelerate would step it once per process per call
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                           **vllm_options) if args.use_vllm else None)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
-                           **vllm_options) if args.use_vllm else None)
     args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
@@ -376,8 +388,7 @@ def main(args: Args):
                       "each; rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     def prompt_batches():
-        """Endless: the global rollout's prompts, each repeated rloo_k times (the same on every
-        rank), then this rank's contiguous share, so a group may span ranks."""
+        """Endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks)."""
         rng = random.Random(args.seed)
         per_batch = args.rollout_batch_size // args.rloo_k
         while True:
@@ -395,51 +406,55 @@ def main(args: Args):
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
     prompts_iter = prompt_batches()
+    for _ in range(resumed.get("step", 0)):  # the data position: a batch per rollout
+        next(prompts_iter)
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
-    start_time, episode, push_seconds = time.time(), 0, float("nan")
-    if resumed:  # what the loop carries across rollouts (the episode counter also gives the sampling seeds)
-        for _ in range(resumed["step"]):  # the data position
-            next(prompts_iter)
+    if resumed:
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
-        episode = resumed["episode"]
-    start_episode = episode  # eps counts this process's episodes
-    for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
-        # ---- ROLLOUT: sample rloo_k completions per prompt; sampling-time and reference logprobs ----
+    episode = resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
+    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
+
+    def draw_batch() -> dict:
+        """ROLLOUT and SCORE: the next rollout (this rank's share of its prompts), rloo_k completions per prompt
+        from the current policy, and their scores (NaN: no source scored it)."""
+        nonlocal episode, push_seconds
         indices = next(prompts_iter)
         # one seed per completion, from its place in the run: the same samples on 1 or N processes
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
-        batch_prompt_ids = [prompt_ids[i] for i in indices]
+        episode += args.rollout_batch_size
         if sampler is not None:
             if step > 1 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
                 push_seconds = sampler.push_weights(model)
-            samples = sampler.generate(tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
+            samples = sampler.generate(tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
         else:
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                samples = generate(unwrapped, tokenizer, batch_prompt_ids, seeds=seeds, **sampling)
-        p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
-        finished = samples.finished
+                samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
+        c_ids, c_mask = samples.completion_ids, samples.completion_mask
+        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
+                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        scores = scores.to(accelerator.device)  # minus the penalty of a missing EOS (the EOS trick)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~samples.finished).float()
+        return dict(samples=samples, scores=scores, per_source=per_source, prompts=prompts, texts=texts)
+
+    for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
+        # ---- ROLLOUT and SCORE: rloo_k completions per prompt, from the current policy; its logprobs
+        # and the reference's ----
+        batch = draw_batch()
+        samples, scores = batch["samples"], batch["scores"]
+        c_ids, c_mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
         sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device) if sampler is None else samples.sampler_logps
         # the same prompt width on every rank, so that the rollout can be gathered
-        p_ids = accelerator.pad_across_processes(p_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
-        p_mask = accelerator.pad_across_processes(p_mask, dim=1, pad_index=0, pad_first=True)
+        p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
+        p_mask = accelerator.pad_across_processes(samples.prompt_mask, dim=1, pad_index=0, pad_first=True)
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
-        episode += args.rollout_batch_size
         old_logps = no_grad_logps(model, input_ids, attention_mask, prompt_width) * mask
         with reference(accelerator, model, ref_model) as ref:
             ref_logps = no_grad_logps(ref, input_ids, attention_mask, prompt_width) * mask
-
-        # ---- SCORE: reward models and functions on the text; the EOS trick ----
-        texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        batch_prompts = [rows[i]["prompt"] for i in indices]
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(batch_prompts, texts)]
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores, per_source = compute_rewards(sources, weights, batch_prompts, completions, columns,
-                                             [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
-        scores = scores.to(accelerator.device)  # NaN: no reward source scored that completion
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~finished).float()
 
         # ---- REWARDS and ADVANTAGES: score minus the KL penalty, leave-one-out baseline, over
         # the global batch (a prompt's k samples may sit on different ranks) ----
@@ -465,13 +480,13 @@ def main(args: Args):
         # update does not depend on how many processes share it
         input_ids, attention_mask, old_logps, sampler_logps = (accelerator.gather(t) for t in (
             input_ids, attention_mask, old_logps, sampler_logps))
-        mask = all_mask
-
         # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
         is_weights, is_stats = torch.ones_like(old_logps), {}
         if sampler is not None and args.vllm_importance_sampling_cap:
             is_weights, is_stats = vllm_importance_weights(old_logps, sampler_logps, sampled, mode=args.vllm_importance_sampling_mode,
                                                            low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+        r = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width, mask=all_mask,
+                    old_logps=old_logps, advantages=advantages, is_weights=is_weights)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
         stats = defaultdict(float)  # name -> sum over micro-batches
@@ -483,10 +498,10 @@ def main(args: Args):
                     first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
                     idx = order[first:first + args.per_device_train_batch_size]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
+                        logps, entropy = completion_logps(model, r.input_ids[idx], r.attention_mask[idx], r.prompt_width,
                                                           args.temperature, entropy=True, **truncation)
-                        loss, ratio, clipped = rloo_loss(logps, old_logps[idx], advantages[idx], mask[idx],
-                                                         cliprange=args.cliprange, token_weights=is_weights[idx],
+                        loss, ratio, clipped = rloo_loss(logps, r.old_logps[idx], r.advantages[idx], r.mask[idx],
+                                                         cliprange=args.cliprange, token_weights=r.is_weights[idx],
                                                          loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,
                                                          sapo_temperature_neg=args.sapo_temperature_neg)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
@@ -498,8 +513,8 @@ def main(args: Args):
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
-                        m, tokens = mask[idx], mask[idx].sum().clamp(min=1)
-                        log_ratio = (logps.detach() - old_logps[idx]) * m
+                        m, tokens = r.mask[idx], r.mask[idx].sum().clamp(min=1)
+                        log_ratio = (logps.detach() - r.old_logps[idx]) * m
                         ratio = ratio.detach() * m
                         stats["loss/policy_avg"] += loss.detach()
                         stats["policy/approxkl_avg"] += 0.5 * (log_ratio ** 2).sum() / tokens
@@ -523,14 +538,14 @@ def main(args: Args):
                     "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
                     "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
                     "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
-        for name, values in per_source.items():
+        for name, values in batch["per_source"].items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": r}
-                                 for p, t, r in zip(batch_prompts, texts, scores.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": score} for p, t, score
+                                 in zip(batch["prompts"], batch["texts"], scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

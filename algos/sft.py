@@ -228,7 +228,7 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     return (accelerator.reduce(nll, "sum") / accelerator.reduce(count, "sum")).item()
 
 
-def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
+def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accelerator):
     """Greedy completions for the first few eval prompts, beside their references."""
     if args.num_sample_generations <= 0:
         return
@@ -353,7 +353,7 @@ def main(args: Args):
                    "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
             metrics["eval_loss"] = evaluate(model, eval_examples, args, tokenizer, accelerator)
-            log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator)
+            log_samples(model, tokenizer, eval_split, args, tracker=tracker, step=step, accelerator=accelerator)
         tracker.log(metrics, step)
         checkpointer.end_of_step(step, {})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
 

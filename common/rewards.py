@@ -86,7 +86,7 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
     return torch.cat(scores)
 
 
-def compute_rewards(sources, weights, prompts: list, completions: list, columns: dict,
+def compute_rewards(sources, weights, *, prompts: list, completions: list, columns: dict,
                     completion_ids: list[list[int]] | None = None):
     """(weighted sum per completion [N], {name: [N], NaN where a source gave None or NaN}). Functions are
     called by keyword as TRL does, `f(prompts=, completions=, completion_ids=, **columns)` (the dataset's

@@ -27,7 +27,8 @@ def reward_module(monkeypatch):
 def test_weights_none_and_columns(reward_module):
     sources, weights = load_reward_sources([], ["toy_mod:length", "toy_mod:sometimes", "toy_mod:columns"],
                                            [0.5, 1.0, 2.0], None)
-    total, per_source = compute_rewards(sources, weights, ["p", "p"], ["ab", "xyz"], {"topic": ["cats", "dogs"]})
+    total, per_source = compute_rewards(sources, weights, prompts=["p", "p"], completions=["ab", "xyz"],
+                                        columns={"topic": ["cats", "dogs"]})
     # "ab": 0.5*2 + 10 + 2*1 = 13; "xyz": 0.5*3 + (None: left out) + 2*0 = 1.5
     assert total.tolist() == [13.0, 1.5]
     assert math.isnan(per_source["sometimes"][1]) and per_source["length"].tolist() == [2.0, 3.0]
@@ -46,8 +47,8 @@ def test_trl_style_signatures_are_called_by_keyword(reward_module):
     reward_module.trl_style, reward_module.keyword_only = trl_style, keyword_only
     sources, weights = load_reward_sources([], ["toy_mod:trl_style", "toy_mod:keyword_only", "toy_mod:columns"],
                                            [1.0, 10.0, 100.0], None)
-    total, _ = compute_rewards(sources, weights, ["p", "pq"], ["abc", "d"], {"topic": ["cats", "dogs"]},
-                               completion_ids=[[5, 6], [7]])
+    total, _ = compute_rewards(sources, weights, prompts=["p", "pq"], completions=["abc", "d"],
+                               columns={"topic": ["cats", "dogs"]}, completion_ids=[[5, 6], [7]])
     # "abc": 3 + 10 * (2 ids + 1) + 100 * 1 = 133; "d": 1 + 10 * (1 + 2) + 0 = 31
     assert total.tolist() == [133.0, 31.0]
     assert seen["kwargs"] == ["completion_ids", "prompts", "topic"]
@@ -56,7 +57,7 @@ def test_trl_style_signatures_are_called_by_keyword(reward_module):
 def test_a_completion_no_source_scores_is_nan_not_zero(reward_module):
     reward_module.nan_for_x = lambda completions, **kw: [math.nan if c.startswith("x") else 1.0 for c in completions]
     sources, weights = load_reward_sources([], ["toy_mod:sometimes", "toy_mod:nan_for_x"], [1.0, 2.0], None)
-    total, per_source = compute_rewards(sources, weights, ["p"] * 3, ["ab", "xy", "xz"], {})
+    total, per_source = compute_rewards(sources, weights, prompts=["p"] * 3, completions=["ab", "xy", "xz"], columns={})
     # "ab": 10 + 2; "xy" and "xz": None and NaN from every source -> unscorable
     assert total[0].item() == 12.0 and total[1:].isnan().all()
     assert per_source["nan_for_x"][1:].isnan().all()
@@ -66,7 +67,7 @@ def test_a_reward_of_weight_zero_is_logged_not_summed(reward_module):
     """An oracle passed with weight 0: its scores are reported, but neither its values nor its
     coverage enter the reward (a completion only it scores stays unscorable)."""
     sources, weights = load_reward_sources([], ["toy_mod:sometimes", "toy_mod:length"], [1.0, 0.0], None)
-    total, per_source = compute_rewards(sources, weights, ["p"] * 2, ["ab", "xyz"], {})
+    total, per_source = compute_rewards(sources, weights, prompts=["p"] * 2, completions=["ab", "xyz"], columns={})
     assert total[0].item() == 10.0 and total[1].isnan()  # "xyz": only the weight-0 source scored it
     assert per_source["length"].tolist() == [2.0, 3.0]
     with pytest.raises(UserError, match="every reward has weight 0"):
@@ -78,7 +79,7 @@ def test_inf_from_a_reward_function_is_named(reward_module):
     sources, weights = load_reward_sources([], ["toy_mod:huge"], None, None)
     with pytest.raises(UserError, match=r"reward function 'huge' returned -inf for completion 1 \('b'\); rewards must "
                                         "be finite"):
-        compute_rewards(sources, weights, ["p", "p"], ["a", "b"], {})
+        compute_rewards(sources, weights, prompts=["p", "p"], completions=["a", "b"], columns={})
 
 
 @pytest.mark.parametrize("spec,weights,message", [
@@ -88,7 +89,7 @@ def test_inf_from_a_reward_function_is_named(reward_module):
 def test_bad_reward_functions_are_one_line_errors(reward_module, spec, weights, message):
     sources, weights = load_reward_sources([], [spec], weights, None)
     with pytest.raises(UserError, match=message):
-        compute_rewards(sources, weights, ["p", "p"], ["a", "b"], {})
+        compute_rewards(sources, weights, prompts=["p", "p"], completions=["a", "b"], columns={})
 
 
 def test_reward_source_errors(reward_module):

@@ -122,7 +122,8 @@ def test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_
     prompts, completions = PROMPTS[1:], COMPLETIONS[1:]  # PPO: one sample per prompt
     input_ids, attention_mask, width = left_padded(prompts, completions, tokenizer.pad_token_id)
     model = ppo.PolicyAndValue(policy, value_model)
-    old, ref_logps, values = ppo.rollout_pass(model, ref, input_ids, attention_mask, width, TEMPERATURE, chunk_size=2)
+    old, ref_logps, values = ppo.rollout_pass(model, ref, input_ids, attention_mask, prompt_width=width, temperature=TEMPERATURE,
+                                         chunk_size=2)
     backbone = getattr(value_model, value_model.base_model_prefix)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         torch.testing.assert_close(old[i, :len(c)], own_logprobs(policy, p, c, TEMPERATURE), atol=2e-5, rtol=0)
@@ -137,7 +138,7 @@ def test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_
 def test_kto_kl_logratios_score_each_prompt_with_the_previous_rows_completion(policy, tiny_model, tokenizer):
     ref = perturbed(load_policy(tiny_model, tokenizer).eval())
     examples = [(p, c, label) for p, c, label in zip(PROMPTS[1:], COMPLETIONS[1:], [True, False, True])]
-    kl, ref_own = kto.kl_logratios(policy, contextlib.nullcontext(ref), examples, tokenizer.pad_token_id,
+    kl, ref_own = kto.kl_logratios(policy, contextlib.nullcontext(ref), examples, pad_id=tokenizer.pad_token_id,
                                    max_length=64, device="cpu")
     for i, (p, c, _) in enumerate(examples):
         other = examples[i - 1][1]  # row 0 takes the last row's completion
@@ -145,7 +146,7 @@ def test_kto_kl_logratios_score_each_prompt_with_the_previous_rows_completion(po
         torch.testing.assert_close(kl[i], expected, atol=5e-5, rtol=0)
         torch.testing.assert_close(ref_own[i], own_logprobs(ref, p, c).sum(), atol=5e-5, rtol=0)
     # max_length cuts the borrowed completion: prompt [11, 12] keeps 1 token of row 0's [24, 25]
-    kl_short, _ = kto.kl_logratios(policy, contextlib.nullcontext(ref), examples, tokenizer.pad_token_id,
+    kl_short, _ = kto.kl_logratios(policy, contextlib.nullcontext(ref), examples, pad_id=tokenizer.pad_token_id,
                                    max_length=3, device="cpu")
     p, other = examples[1][0], examples[0][1][:1]
     torch.testing.assert_close(kl_short[1], own_logprobs(policy, p, other).sum() - own_logprobs(ref, p, other).sum(),

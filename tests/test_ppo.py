@@ -71,7 +71,7 @@ def test_reward_shaping_puts_the_score_on_the_last_real_token():
     rewards, kl = ppo.shape_rewards(logps, ref, torch.tensor([5.0, 7.0]), mask, kl_coef=0.1)
     assert kl.tolist() == [[0.5, -1.0, 0.0], [0.0, 1.0, 0.0]]
     assert torch.allclose(rewards, torch.tensor([[-0.05, 0.1 + 5.0, 0.0], [0.0, -0.1, 7.0]]))
-    _, k3 = ppo.shape_rewards(logps, ref, torch.zeros(2), mask, 0.1, "k3")
+    _, k3 = ppo.shape_rewards(logps, ref, torch.zeros(2), mask, kl_coef=0.1, kl_estimator="k3")
     assert k3[0].tolist() == pytest.approx([math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1, 0.0], rel=1e-5)
 
 
