@@ -8,6 +8,7 @@ import signal
 import sys
 
 import torch
+from accelerate.utils import gather_object
 
 from common import runtime
 from common.runtime import UserError
@@ -37,7 +38,8 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
 class Checkpointer:
     """<output_dir>/checkpoints/step_<n>: accelerate's state (model, optimizer, scheduler, every process's
     RNGs) and the loop's state (a dict: counters, anything carried between steps), written aside and
-    renamed into place; the newest --save_total_limit are kept. `end_of_step` saves every --save_steps,
+    renamed into place; the newest --save_total_limit are kept (on each machine: without a shared file
+    system each holds its own). `end_of_step` saves every --save_steps,
     and saves and exits after SIGTERM / Ctrl-C or a non-finite loss or gradient, whose update `finite`
     has dropped (in rloo/ppo a step is a rollout: its finite mini-batch updates still apply)."""
 
@@ -54,8 +56,8 @@ class Checkpointer:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
                             "inside backward (skipping by itself those whose gradients overflow); without the flag a "
                             "non-finite loss is caught before backward, and the run saves the last good weights and stops")
-        if not resume_from and accelerator.is_main_process:
-            shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
+        if not resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
+            shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
     def saved(self) -> list[str]:
@@ -68,14 +70,15 @@ class Checkpointer:
         path = self.resume_from
         if not path:
             return {}
-        if path == "latest":
-            if not self.saved():
-                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'")
-            path = os.path.join(self.root, self.saved()[-1])
+        if path == "latest":  # the newest on every machine (without a shared file system each lists its own)
+            if not (everywhere := set.intersection(*map(set, gather_object([self.saved()])))):
+                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'" + (self.saved() and
+                                f" is on every machine (this one has {', '.join(self.saved())})" or ""))
+            path = os.path.join(self.root, max(everywhere, key=lambda d: int(d[5:])))
         rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
-        if not os.path.isfile(rank_file):
+        if missing := [r for r, ok in enumerate(gather_object([os.path.isfile(rank_file)])) if not ok]:  # all ranks stop
             raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
-                            f"process(es) (no {os.path.basename(rank_file)})")
+                            f"process(es) (no loop_state_{missing[0]}.pt)")
         state = torch.load(rank_file, weights_only=False)
         if state["world_size"] != self.accelerator.num_processes:
             raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")

@@ -13,13 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from algos import sft
+from common import checkpoint
+from common.checkpoint import Checkpointer
 from common.runtime import UserError
 from common.tracking import TIMING_METRICS
 from tests.conftest import ROOT, run_script
@@ -191,43 +196,93 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
 
 
 class StandInRank:
-    """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in a save."""
+    """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in the
+    Checkpointer (save_state writes this rank's RNG file, as accelerate does; load_state notes the folder)."""
 
-    def __init__(self, index, barrier):
-        self.process_index, self.num_processes, self.barrier = index, 4, barrier
+    def __init__(self, index, barrier, board):
+        self.process_index, self.num_processes, self.barrier, self.board = index, 4, barrier, board
         self.is_main_process, self.is_local_main_process = index == 0, index % 2 == 0
+        self.state, self.loaded = types.SimpleNamespace(deepspeed_plugin=None), None
 
     def wait_for_everyone(self):
         self.barrier.wait()
 
-    def save_state(self, path):  # as accelerate: creates the directory, writes this rank's RNG states
+    def gather_object(self, items):  # as accelerate's: every rank's list, joined in rank order
+        self.board[self.process_index] = items
+        self.barrier.wait()
+        joined = [x for rank in range(self.num_processes) for x in self.board[rank]]
+        self.barrier.wait()  # every rank has read the board before it is written again
+        return joined
+
+    def register_for_checkpointing(self, obj):
+        pass
+
+    def save_state(self, path):
         os.makedirs(path, exist_ok=True)
         open(os.path.join(path, f"random_states_{self.process_index}.pkl"), "w").close()
 
+    def load_state(self, path):
+        self.loaded = path
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_path, shared):
-    """Without a shared file system each machine must end with its own complete, pruned step_<n>, holding
-    its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
+    def print(self, *args):
+        pass
 
-    from common.checkpoint import Checkpointer
 
-    barrier = threading.Barrier(4, timeout=20)
+def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
+    """`work(checkpointer)` on each of the 4 stand-in ranks (a Checkpointer of output_dir <tmp>/shared, or
+    <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
+    barrier, board, this = threading.Barrier(4, timeout=20), {}, threading.local()
+    monkeypatch.setattr(checkpoint, "gather_object", lambda items: this.rank.gather_object(items))
 
     def rank(i):
-        ck = Checkpointer.__new__(Checkpointer)  # no real accelerator: only what save() uses
-        ck.run_name, ck.save_total_limit, ck.accelerator = "r", 2, StandInRank(i, barrier)
-        ck.root = str(tmp_path / ("shared" if shared else f"machine{i // 2}") / "checkpoints")
-        for step in (1, 2, 3):
-            ck.save(step, {})
-        return ck.saved()
+        this.rank = StandInRank(i, barrier, board)
+        try:
+            return work(Checkpointer(this.rank, None, output_dir=str(tmp_path / ("shared" if shared else f"machine{i // 2}")),
+                                     run_name="r", save_steps=1, skip_nonfinite_steps=False,
+                                     **{"resume_from": None, "save_total_limit": 2, **kw}), this.rank)
+        except UserError as e:
+            return e
 
     with ThreadPoolExecutor(4) as pool:
-        saved = [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
-    assert saved == [["step_2", "step_3"]] * 4
-    for root, ranks in ({"shared": range(4)} if shared else {"machine0": (0, 1), "machine1": (2, 3)}).items():
+        return [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
+
+
+def save_steps(*steps):
+    return lambda ck, rank: [ck.save(step, {}) for step in steps] and ck.saved()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_path, monkeypatch, shared):
+    """Without a shared file system each machine must end with its own complete, pruned step_<n>, holding
+    its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial; and
+    another run's checkpoints left on any machine go when a new run starts (else they would be kept, and
+    the new ones pruned in their place)."""
+    machines = {"shared": range(4)} if shared else {"machine0": (0, 1), "machine1": (2, 3)}
+    for root in machines:
+        for old in ("step_7", "step_8"):
+            os.makedirs(tmp_path / root / "checkpoints" / old)
+    assert on_two_machines(tmp_path, monkeypatch, shared, save_steps(1, 2, 3)) == [["step_2", "step_3"]] * 4
+    for root, ranks in machines.items():
         assert sorted(os.listdir(tmp_path / root / "checkpoints")) == ["step_2", "step_3"]
         assert sorted(os.listdir(tmp_path / root / "checkpoints" / "step_3")) == sorted(
             f"{kind}_{r}.{ext}" for r in ranks for kind, ext in (("loop_state", "pt"), ("random_states", "pkl")))
+
+
+def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch):
+    """Without a shared file system machine 1 may lack the newest checkpoint (stopped before renaming it):
+    `latest` must then be the newest step both machines hold, on every rank (else each would load its own
+    step, with other weights); with no step in common, every rank stops with one line."""
+    on_two_machines(tmp_path, monkeypatch, False, save_steps(1, 2, 3), save_total_limit=3)
+    shutil.rmtree(tmp_path / "machine1" / "checkpoints" / "step_3")  # machine 0: steps 1-3, machine 1: 1-2
+
+    def resume(ck, rank):
+        return ck.resume()["step"], rank.loaded
+    assert on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest") == [
+        (2, str(tmp_path / f"machine{i // 2}" / "checkpoints" / "step_2")) for i in range(4)]
+    for step in ("step_1", "step_2"):
+        shutil.rmtree(tmp_path / "machine0" / "checkpoints" / step)  # machine 0: step 3, machine 1: 1-2
+    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
+    assert all(isinstance(e, UserError) for e in errors)
+    assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{tmp_path / 'machine0' / 'checkpoints'}'"
+                              " is on every machine (this one has step_3)")
+
