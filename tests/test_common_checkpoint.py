@@ -195,6 +195,29 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
     assert records(tmp_path / "cut") == records(tmp_path / "full")
 
 
+class WritesAFile:
+    """Pickled, it is a call of open(path, "w"), made when it is unpickled: what a crafted checkpoint could run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("name", ["loop_state_0.pt", "custom_checkpoint_0.pkl"])  # the loop's state, the scheduler's
+def test_a_checkpoint_whose_pickle_would_run_code_is_not_loaded(tmp_path, name):
+    """A checkpoint someone else made must not run code when resumed: one of its files, rewritten to hold
+    besides its data an object whose unpickling writes a file, stops the run with one line, nothing written."""
+    sft.main(sft_args(tmp_path, max_steps=1, save_steps=1))
+    step, written = tmp_path / "out" / "checkpoints" / "step_1", tmp_path / "written"
+    torch.save({**torch.load(step / name, weights_only=True), "extra": WritesAFile(str(written))}, step / name)
+    with pytest.raises(UserError) as error:
+        sft.main(sft_args(tmp_path, output_dir=str(tmp_path / "new"), resume_from_checkpoint=str(step)))
+    assert str(error.value) == f"'{step}' holds pickled code, not only data; it was not loaded"
+    assert not written.exists() and not (tmp_path / "new").exists()
+
+
 class StandInRank:
     """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in the
     Checkpointer (save_state writes this rank's RNG file, as accelerate does; load_state notes the folder)."""
@@ -233,6 +256,9 @@ def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
     <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
     barrier, board, this = threading.Barrier(4, timeout=20), {}, threading.local()
     monkeypatch.setattr(checkpoint, "gather_object", lambda items: this.rank.gather_object(items))
+    # resume() sets these around its loads in each thread: so that the last to restore them restores these
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")
 
     def rank(i):
         this.rank = StandInRank(i, barrier, board)
