@@ -4,8 +4,11 @@ For every script: a run stopped by SIGTERM saves a checkpoint and exits non-zero
 resuming it ends with weights bit-identical to an uninterrupted run and the same metrics JSONL
 (timing fields aside). That also makes each script repeat itself: the stopped run is the same command
 started afresh, so its steps before the stop must log what the uninterrupted run logged. sft under
-gradient accumulation runs in the default suite; every script as CASES runs it, and grpo under
-accumulation, under the `resume` marker (`python -m pytest -m resume`, ~5 min; .ci/run runs them)."""
+gradient accumulation runs in the default suite; every script as CASES runs it, grpo under
+accumulation, and sft resumed on two machines of one process each without a shared file system (two
+launches on this host), under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci/run runs
+them). Also: checkpoint files whose pickles would run code are refused, and the checkpoint folders of
+two machines simulated by threads, with and without a shared file system."""
 
 import json
 import os
@@ -252,8 +255,8 @@ class StandInRank:
 
 
 def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
-    """`work(checkpointer)` on each of the 4 stand-in ranks (a Checkpointer of output_dir <tmp>/shared, or
-    <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
+    """`work(checkpointer, rank)` on each of the 4 stand-in ranks (a Checkpointer of output_dir <tmp>/shared,
+    or <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
     barrier, board, this = threading.Barrier(4, timeout=20), {}, threading.local()
     monkeypatch.setattr(checkpoint, "gather_object", lambda items: this.rank.gather_object(items))
     # resume() sets these around its loads in each thread: so that the last to restore them restores these
@@ -273,7 +276,7 @@ def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
         return [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
 
 
-def save_steps(*steps):
+def saving(*steps):
     return lambda ck, rank: [ck.save(step, {}) for step in steps] and ck.saved()
 
 
@@ -287,7 +290,7 @@ def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_pa
     for root in machines:
         for old in ("step_7", "step_8"):
             os.makedirs(tmp_path / root / "checkpoints" / old)
-    assert on_two_machines(tmp_path, monkeypatch, shared, save_steps(1, 2, 3)) == [["step_2", "step_3"]] * 4
+    assert on_two_machines(tmp_path, monkeypatch, shared, saving(1, 2, 3)) == [["step_2", "step_3"]] * 4
     for root, ranks in machines.items():
         assert sorted(os.listdir(tmp_path / root / "checkpoints")) == ["step_2", "step_3"]
         assert sorted(os.listdir(tmp_path / root / "checkpoints" / "step_3")) == sorted(
@@ -298,7 +301,7 @@ def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch)
     """Without a shared file system machine 1 may lack the newest checkpoint (stopped before renaming it):
     `latest` must then be the newest step both machines hold, on every rank (else each would load its own
     step, with other weights); with no step in common, every rank stops with one line."""
-    on_two_machines(tmp_path, monkeypatch, False, save_steps(1, 2, 3), save_total_limit=3)
+    on_two_machines(tmp_path, monkeypatch, False, saving(1, 2, 3), save_total_limit=3)
     shutil.rmtree(tmp_path / "machine1" / "checkpoints" / "step_3")  # machine 0: steps 1-3, machine 1: 1-2
 
     def resume(ck, rank):
@@ -312,3 +315,52 @@ def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch)
     assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{tmp_path / 'machine0' / 'checkpoints'}'"
                               " is on every machine (this one has step_3)")
 
+
+@pytest.mark.resume
+def test_two_machines_without_a_shared_file_system_resume_from_the_same_step(tmp_path):
+    """Two machines of one process each (two launches on this host, gloo), each with its own output_dir as
+    without a shared file system. Each keeps its own checkpoints; accelerate writes the model, optimizer and
+    scheduler on machine 0 only, so machine 0's step folder is copied over machine 1's (README), with the
+    newest step on machine 0 alone; `latest` must then resume both from the step both hold, and end where
+    an uninterrupted run ended."""
+    import socket
+
+    import psutil  # accelerate's dependency
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def on_both(*outs_and_extra):
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--machine_rank",
+             str(m), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+             "--mixed_precision", "no", "--dynamo_backend", "no", "algos/sft.py", "--max_steps", "4", "--save_steps", "2",
+             "--dataset_test_split", "", "--logging_steps", "1", "--run_name", "r", "--output_dir", str(out), *extra],
+            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "ACCELERATE_USE_CPU": "true"}) for m, (out, *extra) in enumerate(outs_and_extra)]
+        try:
+            outputs = [p.communicate(timeout=300) for p in procs]
+        finally:  # machines that disagree wait on each other for ever: end both launchers and their workers
+            for p in procs:
+                for child in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
+                    child.kill()
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in outputs]
+        return [o for o, _ in outputs]
+
+    full = [tmp_path / "full0", tmp_path / "full1"]
+    on_both((full[0],), (full[1],))
+    assert sorted(os.listdir(full[1] / "checkpoints" / "step_4")) == ["loop_state_1.pt", "random_states_1.pkl"]
+    cut = [tmp_path / "cut0", tmp_path / "cut1"]
+    for step in ("step_2", "step_4"):
+        shutil.copytree(full[0] / "checkpoints" / step, cut[0] / "checkpoints" / step)
+    shutil.copytree(full[1] / "checkpoints" / "step_2", cut[1] / "checkpoints" / "step_2")
+    shutil.copytree(full[0] / "checkpoints" / "step_2", cut[1] / "checkpoints" / "step_2", dirs_exist_ok=True)
+    shutil.copytree(full[0] / "logs", cut[0] / "logs")
+    outputs = on_both(*[(out, "--resume_from_checkpoint", "latest") for out in cut])
+    for out, stdout in zip(cut, outputs):
+        assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in stdout
+    a, b = weights(full[0]), weights(cut[0])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records(cut[0]) == records(full[0])
