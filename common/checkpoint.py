@@ -3,11 +3,15 @@ stops early (signals, non-finite values)."""
 
 import math
 import os
+import pickle
+import pkgutil
 import shutil
 import signal
 import sys
+from unittest import mock
 
 import torch
+from accelerate.utils import gather_object
 
 from common import runtime
 from common.runtime import UserError
@@ -34,10 +38,16 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
     accelerator.wait_for_everyone()
 
 
+# what DeepSpeed (0.19) pickles into its optimizer files besides data: plain classes, safe to rebuild
+DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler:LossScaler", "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+                     "deepspeed.runtime.zero.config:ZeroStageEnum", "deepspeed.utils.tensor_fragment:fragment_address")
+
+
 class Checkpointer:
     """<output_dir>/checkpoints/step_<n>: accelerate's state (model, optimizer, scheduler, every process's
     RNGs) and the loop's state (a dict: counters, anything carried between steps), written aside and
-    renamed into place; the newest --save_total_limit are kept. `end_of_step` saves every --save_steps,
+    renamed into place; the newest --save_total_limit are kept (on each machine: without a shared file
+    system each holds its own). `end_of_step` saves every --save_steps,
     and saves and exits after SIGTERM / Ctrl-C or a non-finite loss or gradient, whose update `finite`
     has dropped (in rloo/ppo a step is a rollout: its finite mini-batch updates still apply)."""
 
@@ -46,16 +56,16 @@ class Checkpointer:
         self.accelerator, self.run_name, self.resume_from = accelerator, run_name, resume_from
         self.save_steps, self.save_total_limit, self.skip_nonfinite_steps = save_steps, save_total_limit, skip_nonfinite_steps
         self.root = os.path.join(output_dir, "checkpoints")
-        self.nonfinite = None  # (metric, value) that made this step's update be dropped
-        # DeepSpeed steps inside backward(), before `finite` can drop the update (it skips overflows itself)
+        # (metric, value) that made this step's update be dropped; DeepSpeed steps inside backward(), before
+        # `finite` can drop the update (it skips overflows itself)
+        self.nonfinite, self.skipped_backward = None, False
         self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
-        self.skipped_backward = False
         if self.engine is not None and skip_nonfinite_steps:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
                             "inside backward (skipping by itself those whose gradients overflow); without the flag a "
                             "non-finite loss is caught before backward, and the run saves the last good weights and stops")
-        if not resume_from and accelerator.is_main_process:
-            shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
+        if not resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
+            shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
     def saved(self) -> list[str]:
@@ -65,21 +75,28 @@ class Checkpointer:
 
     def resume(self) -> dict:
         """Load --resume_from_checkpoint (a directory, or `latest`); the loop state with "step", "run_name" ({})."""
-        path = self.resume_from
-        if not path:
+        if not (path := self.resume_from):
             return {}
-        if path == "latest":
-            if not self.saved():
-                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'")
-            path = os.path.join(self.root, self.saved()[-1])
+        if path == "latest":  # the newest on every machine (without a shared file system each lists its own)
+            if not (everywhere := set.intersection(*map(set, gather_object([self.saved()])))):
+                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'" + (self.saved() and
+                                f" is on every machine (this one has {', '.join(self.saved())})" or ""))
+            path = os.path.join(self.root, max(everywhere, key=lambda d: int(d[5:])))
         rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
-        if not os.path.isfile(rank_file):
+        if missing := [r for r, ok in enumerate(gather_object([os.path.isfile(rank_file)])) if not ok]:  # all ranks stop
             raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
-                            f"process(es) (no {os.path.basename(rank_file)})")
-        state = torch.load(rank_file, weights_only=False)
-        if state["world_size"] != self.accelerator.num_processes:
-            raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")
-        self.accelerator.load_state(path)
+                            f"process(es) (no loop_state_{missing[0]}.pt)")
+        # no file of a checkpoint may run code: torch's weights-only unpickler also where accelerate (the
+        # registered scheduler) and DeepSpeed would unpickle in full
+        try:
+            with (mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="0"),
+                  torch.serialization.safe_globals([pkgutil.resolve_name(c) for c in DEEPSPEED_CLASSES if self.engine])):
+                state = torch.load(rank_file, weights_only=True)
+                if state["world_size"] != self.accelerator.num_processes:
+                    raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")
+                self.accelerator.load_state(path)
+        except pickle.UnpicklingError:  # torch refused a global or an instruction: not data alone
+            raise UserError(f"'{path}' holds pickled code, not only data; it was not loaded") from None
         self.run_name = state["run_name"]  # the metrics go on in the same JSONL (and wandb run)
         self.accelerator.print(f"resumed from {path} at step {state['step']}")
         return state
@@ -89,8 +106,7 @@ class Checkpointer:
         ...) is not finite on some process; the caller then drops the update."""
         values = {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in values.items() if v is not None}
         bad = [(k, v) for k, v in values.items() if not math.isfinite(v)]
-        flag = self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max")
-        if flag.item() == 0:
+        if self.accelerator.reduce(torch.tensor(float(bool(bad)), device=self.accelerator.device), "max").item() == 0:
             return True
         self.nonfinite = self.nonfinite or (bad[0] if bad else ("loss", float("nan")))  # else: on another process
         return False

@@ -4,8 +4,11 @@ For every script: a run stopped by SIGTERM saves a checkpoint and exits non-zero
 resuming it ends with weights bit-identical to an uninterrupted run and the same metrics JSONL
 (timing fields aside). That also makes each script repeat itself: the stopped run is the same command
 started afresh, so its steps before the stop must log what the uninterrupted run logged. sft under
-gradient accumulation runs in the default suite; every script as CASES runs it, and grpo under
-accumulation, under the `resume` marker (`python -m pytest -m resume`, ~5 min; .ci/run runs them)."""
+gradient accumulation runs in the default suite; every script as CASES runs it, grpo under
+accumulation, and sft resumed on two machines of one process each without a shared file system (two
+launches on this host), under the `resume` marker (`python -m pytest -m resume`, ~6 min; .ci/run runs
+them). Also: checkpoint files whose pickles would run code are refused, and the checkpoint folders of
+two machines simulated by threads, with and without a shared file system."""
 
 import json
 import os
@@ -13,13 +16,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from algos import sft
+from common import checkpoint
+from common.checkpoint import Checkpointer
 from common.runtime import UserError
 from common.tracking import TIMING_METRICS
 from tests.conftest import ROOT, run_script
@@ -190,44 +198,169 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
     assert records(tmp_path / "cut") == records(tmp_path / "full")
 
 
-class StandInRank:
-    """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in a save."""
+class WritesAFile:
+    """Pickled, it is a call of open(path, "w"), made when it is unpickled: what a crafted checkpoint could run."""
 
-    def __init__(self, index, barrier):
-        self.process_index, self.num_processes, self.barrier = index, 4, barrier
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("name", ["loop_state_0.pt", "custom_checkpoint_0.pkl"])  # the loop's state, the scheduler's
+def test_a_checkpoint_whose_pickle_would_run_code_is_not_loaded(tmp_path, name):
+    """A checkpoint someone else made must not run code when resumed: one of its files, rewritten to hold
+    besides its data an object whose unpickling writes a file, stops the run with one line, nothing written."""
+    sft.main(sft_args(tmp_path, max_steps=1, save_steps=1))
+    step, written = tmp_path / "out" / "checkpoints" / "step_1", tmp_path / "written"
+    torch.save({**torch.load(step / name, weights_only=True), "extra": WritesAFile(str(written))}, step / name)
+    with pytest.raises(UserError) as error:
+        sft.main(sft_args(tmp_path, output_dir=str(tmp_path / "new"), resume_from_checkpoint=str(step)))
+    assert str(error.value) == f"'{step}' holds pickled code, not only data; it was not loaded"
+    assert not written.exists() and not (tmp_path / "new").exists()
+
+
+class StandInRank:
+    """One of 4 processes on 2 machines (ranks 0-1 and 2-3), run as a thread: the accelerator's part in the
+    Checkpointer (save_state writes this rank's RNG file, as accelerate does; load_state notes the folder)."""
+
+    def __init__(self, index, barrier, board):
+        self.process_index, self.num_processes, self.barrier, self.board = index, 4, barrier, board
         self.is_main_process, self.is_local_main_process = index == 0, index % 2 == 0
+        self.state, self.loaded = types.SimpleNamespace(deepspeed_plugin=None), None
 
     def wait_for_everyone(self):
         self.barrier.wait()
 
-    def save_state(self, path):  # as accelerate: creates the directory, writes this rank's RNG states
+    def gather_object(self, items):  # as accelerate's: every rank's list, joined in rank order
+        self.board[self.process_index] = items
+        self.barrier.wait()
+        joined = [x for rank in range(self.num_processes) for x in self.board[rank]]
+        self.barrier.wait()  # every rank has read the board before it is written again
+        return joined
+
+    def register_for_checkpointing(self, obj):
+        pass
+
+    def save_state(self, path):
         os.makedirs(path, exist_ok=True)
         open(os.path.join(path, f"random_states_{self.process_index}.pkl"), "w").close()
 
+    def load_state(self, path):
+        self.loaded = path
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_path, shared):
-    """Without a shared file system each machine must end with its own complete, pruned step_<n>, holding
-    its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
+    def print(self, *args):
+        pass
 
-    from common.checkpoint import Checkpointer
 
-    barrier = threading.Barrier(4, timeout=20)
+def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
+    """`work(checkpointer, rank)` on each of the 4 stand-in ranks (a Checkpointer of output_dir <tmp>/shared,
+    or <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
+    barrier, board, this = threading.Barrier(4, timeout=20), {}, threading.local()
+    monkeypatch.setattr(checkpoint, "gather_object", lambda items: this.rank.gather_object(items))
+    # resume() sets these around its loads in each thread: so that the last to restore them restores these
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")
 
     def rank(i):
-        ck = Checkpointer.__new__(Checkpointer)  # no real accelerator: only what save() uses
-        ck.run_name, ck.save_total_limit, ck.accelerator = "r", 2, StandInRank(i, barrier)
-        ck.root = str(tmp_path / ("shared" if shared else f"machine{i // 2}") / "checkpoints")
-        for step in (1, 2, 3):
-            ck.save(step, {})
-        return ck.saved()
+        this.rank = StandInRank(i, barrier, board)
+        try:
+            return work(Checkpointer(this.rank, None, output_dir=str(tmp_path / ("shared" if shared else f"machine{i // 2}")),
+                                     run_name="r", save_steps=1, skip_nonfinite_steps=False,
+                                     **{"resume_from": None, "save_total_limit": 2, **kw}), this.rank)
+        except UserError as e:
+            return e
 
     with ThreadPoolExecutor(4) as pool:
-        saved = [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
-    assert saved == [["step_2", "step_3"]] * 4
-    for root, ranks in ({"shared": range(4)} if shared else {"machine0": (0, 1), "machine1": (2, 3)}).items():
+        return [f.result() for f in [pool.submit(rank, i) for i in range(4)]]
+
+
+def saving(*steps):
+    return lambda ck, rank: [ck.save(step, {}) for step in steps] and ck.saved()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_checkpoints_on_two_machines_with_or_without_a_shared_file_system(tmp_path, monkeypatch, shared):
+    """Without a shared file system each machine must end with its own complete, pruned step_<n>, holding
+    its ranks' files (what --resume_from_checkpoint latest finds there), not a never-renamed .partial; and
+    another run's checkpoints left on any machine go when a new run starts (else they would be kept, and
+    the new ones pruned in their place)."""
+    machines = {"shared": range(4)} if shared else {"machine0": (0, 1), "machine1": (2, 3)}
+    for root in machines:
+        for old in ("step_7", "step_8"):
+            os.makedirs(tmp_path / root / "checkpoints" / old)
+    assert on_two_machines(tmp_path, monkeypatch, shared, saving(1, 2, 3)) == [["step_2", "step_3"]] * 4
+    for root, ranks in machines.items():
         assert sorted(os.listdir(tmp_path / root / "checkpoints")) == ["step_2", "step_3"]
         assert sorted(os.listdir(tmp_path / root / "checkpoints" / "step_3")) == sorted(
             f"{kind}_{r}.{ext}" for r in ranks for kind, ext in (("loop_state", "pt"), ("random_states", "pkl")))
+
+
+def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch):
+    """Without a shared file system machine 1 may lack the newest checkpoint (stopped before renaming it):
+    `latest` must then be the newest step both machines hold, on every rank (else each would load its own
+    step, with other weights); with no step in common, every rank stops with one line."""
+    on_two_machines(tmp_path, monkeypatch, False, saving(1, 2, 3), save_total_limit=3)
+    shutil.rmtree(tmp_path / "machine1" / "checkpoints" / "step_3")  # machine 0: steps 1-3, machine 1: 1-2
+
+    def resume(ck, rank):
+        return ck.resume()["step"], rank.loaded
+    assert on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest") == [
+        (2, str(tmp_path / f"machine{i // 2}" / "checkpoints" / "step_2")) for i in range(4)]
+    for step in ("step_1", "step_2"):
+        shutil.rmtree(tmp_path / "machine0" / "checkpoints" / step)  # machine 0: step 3, machine 1: 1-2
+    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
+    assert all(isinstance(e, UserError) for e in errors)
+    assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{tmp_path / 'machine0' / 'checkpoints'}'"
+                              " is on every machine (this one has step_3)")
+
+
+@pytest.mark.resume
+def test_two_machines_without_a_shared_file_system_resume_from_the_same_step(tmp_path):
+    """Two machines of one process each (two launches on this host, gloo), each with its own output_dir as
+    without a shared file system. Each keeps its own checkpoints; accelerate writes the model, optimizer and
+    scheduler on machine 0 only, so machine 0's step folder is copied over machine 1's (README), with the
+    newest step on machine 0 alone; `latest` must then resume both from the step both hold, and end where
+    an uninterrupted run ended."""
+    import socket
+
+    import psutil  # accelerate's dependency
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def on_both(*outs_and_extra):
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--machine_rank",
+             str(m), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+             "--mixed_precision", "no", "--dynamo_backend", "no", "algos/sft.py", "--max_steps", "4", "--save_steps", "2",
+             "--dataset_test_split", "", "--logging_steps", "1", "--run_name", "r", "--output_dir", str(out), *extra],
+            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "ACCELERATE_USE_CPU": "true"}) for m, (out, *extra) in enumerate(outs_and_extra)]
+        try:
+            outputs = [p.communicate(timeout=300) for p in procs]
+        finally:  # machines that disagree wait on each other for ever: end both launchers and their workers
+            for p in procs:
+                for child in psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []:
+                    child.kill()
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in outputs]
+        return [o for o, _ in outputs]
+
+    full = [tmp_path / "full0", tmp_path / "full1"]
+    on_both((full[0],), (full[1],))
+    assert sorted(os.listdir(full[1] / "checkpoints" / "step_4")) == ["loop_state_1.pt", "random_states_1.pkl"]
+    cut = [tmp_path / "cut0", tmp_path / "cut1"]
+    for step in ("step_2", "step_4"):
+        shutil.copytree(full[0] / "checkpoints" / step, cut[0] / "checkpoints" / step)
+    shutil.copytree(full[1] / "checkpoints" / "step_2", cut[1] / "checkpoints" / "step_2")
+    shutil.copytree(full[0] / "checkpoints" / "step_2", cut[1] / "checkpoints" / "step_2", dirs_exist_ok=True)
+    shutil.copytree(full[0] / "logs", cut[0] / "logs")
+    outputs = on_both(*[(out, "--resume_from_checkpoint", "latest") for out in cut])
+    for out, stdout in zip(cut, outputs):
+        assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in stdout
+    a, b = weights(full[0]), weights(cut[0])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records(cut[0]) == records(full[0])
