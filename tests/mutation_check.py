@@ -8,16 +8,22 @@ unchanged copy, or a failure would prove nothing.
     python tests/mutation_check.py              # every mutation; a table of bug -> failing test, time
     python tests/mutation_check.py --only 3 7   # some of them (numbers as in the table)
     python -m pytest -m mutation                # the same, as a test (every bug must be caught)
+
+Two mutations run at a time (--jobs), each in its own copy, each pytest on one torch thread: most of a
+row's time is pytest starting, and two processes of two threads each on a 2-core machine would wait
+on each other.
 """
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSES = "tests/test_per_token_passes.py"
@@ -141,7 +147,8 @@ def copy_project(dest: str):
 
 def run_tests(where: str, tests: list[str]) -> tuple[int, str, float]:
     """pytest on `tests` inside `where` (its own modules first on the path); (exit code, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               OMP_NUM_THREADS="1")
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests],
                           cwd=where, env=env, capture_output=True, text=True)
@@ -153,36 +160,51 @@ def failing_test(output: str) -> str:
     return found.group(1) if found else "(exit code only)"
 
 
-def check(only: list[int] | None = None) -> list[dict]:
+def check(only: list[int] | None = None, jobs: int = 2) -> list[dict]:
     chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not only or i in only]
+    jobs = max(1, min(jobs, len(chosen)))
     results = []
-    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
-        where = os.path.join(tmp, "project")
-        copy_project(where)
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp, ThreadPoolExecutor(jobs) as pool:
+        copies = queue.Queue()  # one project copy per job; a mutation borrows one and restores it
+        for k in range(jobs):
+            copy_project(os.path.join(tmp, f"project{k}"))
+            copies.put(os.path.join(tmp, f"project{k}"))
         baseline = sorted({t for _, m in chosen for t in m[4]})
-        code, output, seconds = run_tests(where, baseline)
-        if code != 0:
-            raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n{output[-3000:]}")
-        print(f"unchanged project: {len(baseline)} tests pass ({seconds:.0f} s)", flush=True)
-        for i, (path, text, replacement, bug, tests) in chosen:
-            file = os.path.join(where, path)
-            with open(file) as f:
-                source = f.read()
-            if source.count(text) != 1:
-                raise SystemExit(f"mutation {i}: {text!r} occurs {source.count(text)} times in {path}, not once")
-            with open(file, "w") as f:
-                f.write(source.replace(text, replacement))
+        start = time.time()
+        parts = [(os.path.join(tmp, f"project{k}"), baseline[k::jobs]) for k in range(jobs) if baseline[k::jobs]]
+        for code, output, _ in pool.map(lambda part: run_tests(*part), parts):
+            if code != 0:
+                raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n"
+                                 f"{output[-3000:]}")
+        print(f"unchanged project: {len(baseline)} tests pass ({time.time() - start:.0f} s)", flush=True)
+
+        def attempt(i, path, text, replacement, bug, tests):
+            where = copies.get()
             try:
-                code, output, seconds = run_tests(where, tests)
-            finally:
+                file = os.path.join(where, path)
+                with open(file) as f:
+                    source = f.read()
+                if source.count(text) != 1:
+                    raise SystemExit(f"mutation {i}: {text!r} occurs {source.count(text)} times in {path}, not once")
                 with open(file, "w") as f:
-                    f.write(source)
+                    f.write(source.replace(text, replacement))
+                try:
+                    code, output, seconds = run_tests(where, tests)
+                finally:
+                    with open(file, "w") as f:
+                        f.write(source)
+            finally:
+                copies.put(where)
             caught = code != 0
-            results.append({"n": i, "file": path, "bug": bug, "caught": caught, "seconds": seconds,
-                            "by": failing_test(output) if caught else "NOT CAUGHT"})
-            print(f"{i:2d}. {'caught' if caught else 'MISSED'} in {seconds:4.0f} s  {bug}  <- {results[-1]['by']}",
-                  flush=True)
-    return results
+            return {"n": i, "file": path, "bug": bug, "caught": caught, "seconds": seconds,
+                    "by": failing_test(output) if caught else "NOT CAUGHT"}
+
+        for done in as_completed([pool.submit(attempt, i, *m) for i, m in chosen]):
+            r = done.result()
+            results.append(r)
+            print(f"{r['n']:2d}. {'caught' if r['caught'] else 'MISSED'} in {r['seconds']:4.0f} s  {r['bug']}  "
+                  f"<- {r['by']}", flush=True)
+    return sorted(results, key=lambda r: r["n"])
 
 
 def table(results: list[dict]) -> str:
@@ -194,7 +216,9 @@ def table(results: list[dict]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", type=int, nargs="*", help="mutation numbers to run (default: all)")
-    results = check(parser.parse_args().only)
+    parser.add_argument("--jobs", type=int, default=2, help="mutations run at a time, each in its own copy")
+    options = parser.parse_args()
+    results = check(options.only, options.jobs)
     print(table(results))
     missed = [r for r in results if not r["caught"]]
     print(f"{len(results) - len(missed)} of {len(results)} caught")
