@@ -30,7 +30,8 @@ def gradients_before_clipping(monkeypatch, main, args, steps: int = 1) -> list[d
         parameters = list(parameters)
         (model,) = [m for m in self._models if any(p is parameters[0] for p in m.parameters())]
         names = {id(p): name for name, p in model.named_parameters()}
-        records.append({names[id(p)]: (p.detach().clone(), torch.zeros_like(p) if p.grad is None else p.grad.clone())
+        records.append({names[id(p)]: (p.detach().cpu().clone(),  # copies: clipping then scales the gradient in place
+                                       torch.zeros(p.shape) if p.grad is None else p.grad.detach().cpu().clone())
                         for p in parameters})
         if len(records) == steps:
             raise _Recorded
@@ -91,12 +92,12 @@ def fixed_samples(monkeypatch, module, vocab_size: int = 727, eos_id: int = 0, p
             completions.append([rng.randrange(2, vocab_size) for _ in range(length)] + [eos_id] * stops)
         finished = [c[-1] == eos_id for c in completions]
         calls.append((prompts, completions, finished))
-        width = max(map(len, prompts))
-        p_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        p_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        c_ids = torch.tensor([c + [pad_id] * (max_new_tokens - len(c)) for c in completions])
-        c_mask = torch.tensor([[1] * len(c) + [0] * (max_new_tokens - len(c)) for c in completions])
-        return p_ids, p_mask, c_ids, c_mask, torch.tensor(finished)
+        width, device = max(map(len, prompts)), next(model.parameters()).device
+        return tuple(torch.tensor(t, device=device) for t in (
+            [[pad_id] * (width - len(p)) + p for p in prompts],
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+            [c + [pad_id] * (max_new_tokens - len(c)) for c in completions],
+            [[1] * len(c) + [0] * (max_new_tokens - len(c)) for c in completions], finished))
 
     monkeypatch.setattr(module, "generate", sample)
     return calls
@@ -128,7 +129,8 @@ def encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int
 
 def own_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log pi(completion token t | row so far) of the row alone, unpadded, one plain forward (with gradients)."""
-    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float() / temperature
+    ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)  # a reference may be on a GPU
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float().cpu() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
