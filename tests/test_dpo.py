@@ -238,6 +238,7 @@ def first_step_setup(tmp_path, tiny_model, monkeypatch, **overrides):
     return args, records, loaded[1], tokenizer, pairs
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
     """dpo.py at its defaults (sigmoid, beta 0.1): the gradient of its first step against
     mean -log sigmoid(beta h), h = (log pi - log pi_ref)(chosen) - (...)(rejected), every sequence scored
@@ -255,6 +256,7 @@ def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny
     assert_gradient(grads_of(record), {"chosen": gradient(chosen, policy), "rejected": gradient(rejected, policy)})
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_bco_pair_running_mean_of_the_rewards_of_earlier_steps(tmp_path, tiny_model, monkeypatch):
     """bco_pair's delta is the mean of every implicit reward beta log(pi / pi_ref), chosen and rejected,
     of the training steps before (0 at the first; evaluations, here after every step, do not count).

@@ -281,6 +281,7 @@ def test_top_entropy_quantile_reaches_the_loss(tmp_path, sft_model):
     assert losses[0] != 0.0 and losses[1] != pytest.approx(losses[0], rel=1e-3), losses
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows(tmp_path, tiny_model, monkeypatch):
     """grpo.py at its defaults (dapo, beta 0.04, group scaling, num_iterations 1, temperature 1) on fixed
     samples: the gradient of its first step against the loss written out here, row by row, with a reward

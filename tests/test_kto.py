@@ -94,6 +94,7 @@ def test_kto_end_to_end_on_unpaired_data_prints_the_weight_hint(tmp_path, sft_mo
     assert log[-1]["eval_loss"] < log[0]["loss"]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
     """kto.py at its defaults (kto, beta 0.1, weights 1) on 4 fixed preference pairs, i.e. 8 rows in one
     batch, with a perturbed reference: the gradient of its first step against the loss written out here,

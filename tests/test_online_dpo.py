@@ -66,6 +66,7 @@ def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
         assert r["completions/unscored_ratio"] == 0 and math.isfinite(r["rewards/short_or_none/mean"])
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
     """online_dpo.py at its defaults (sigmoid, beta 0.1) on fixed samples (two per prompt), with a reward
     that leaves some unscored and a perturbed reference: the gradient of its first step against

@@ -100,6 +100,7 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
                                                       abs=1e-5)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_gae_and_whitening_written_out(tmp_path, tiny_model, monkeypatch):
     """ppo.py at its defaults (k1 KL 0.05, gamma 1, lam 0.95, whitened advantages, vf_coef 0.1, temperature
     0.7) on fixed samples, most of them stopped by an EOS before response_length: the gradient of its first

@@ -96,6 +96,7 @@ def test_reward_learns_a_small_preference_set(tmp_path, sft_model):
     assert log[-1]["eval_loss"] < math.log(2) - 0.05 and log[-1]["eval_accuracy"] > 0.6, log[-1]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
     """reward.py at its defaults (Bradley-Terry, no centering, a fresh head) on 4 fixed pairs in one batch:
     the gradient of its first step against mean -log sigmoid(r_chosen - r_rejected), every sequence scored

@@ -130,6 +130,7 @@ def test_rloo_learns_a_toy_reward(tmp_path, sft_model):
     assert last > first + 1.0, (first, last)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("token_level", [False, True], ids=["default", "token_level_kl_whitened"])
 def test_first_step_gradient_against_the_advantages_written_out(tmp_path, tiny_model, monkeypatch, token_level):
     """rloo.py on fixed samples, with a reward that leaves some unscored and a perturbed reference: the

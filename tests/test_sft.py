@@ -154,6 +154,7 @@ def test_help_documents_every_option():
     assert "completion tokens" in proc.stdout  # a docstring made it into the help
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_first_step_gradient_against_the_cross_entropy_written_out(tmp_path, tiny_model, monkeypatch):
     """sft.py at its defaults on 4 fixed rows in one batch: the gradient of its first step against the
     summed negative log-likelihood of the completion tokens (EOS included, prompt tokens not) over their
