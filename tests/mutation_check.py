@@ -27,6 +27,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSES = "tests/test_per_token_passes.py"
+STEP = "test_default_first_step_gradient_against_the_loss_written_out"
+GRPO_STEP = "tests/test_grpo.py::test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows"
+PPO_STEP = "tests/test_ppo.py::test_default_first_step_gradient_against_gae_and_whitening_written_out"
+RLOO_STEP = "tests/test_rloo.py::test_first_step_gradient_against_the_advantages_written_out"
+DPO_BCO = "tests/test_dpo.py::test_bco_pair_running_mean_of_the_rewards_of_earlier_steps"
 
 # (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
 MUTATIONS = [
@@ -136,6 +141,46 @@ MUTATIONS = [
      "tau = torch.where(a > 0, sapo_temperature_neg, sapo_temperature_pos)",
      "rloo: sapo's temperatures swapped (tau_pos for negative advantages)",
      ["tests/test_rloo.py::test_sapo_hand_worked_value_and_gradient"]),
+    # the loops between the functions (issue 38): each script's first step at its defaults, gradient against the loss
+    # written out in the test (tests/first_step.py)
+    ("algos/grpo.py", "else logps.detach()  # mu == 1", "else logps  # mu == 1",
+     "grpo: sampling-time logprobs not detached at num_iterations 1 (the policy gradient vanishes)", [GRPO_STEP]),
+    ("algos/grpo.py", "loss_mask = c_mask.float() * ~rewards.isnan()[:, None]", "loss_mask = c_mask.float()",
+     "grpo: unscored completions back in the loss (their KL term, their tokens in the count)", [GRPO_STEP]),
+    ("algos/grpo.py", "ref_logps = [completion_logps(ref, input_ids[s]",
+     "ref_logps = [completion_logps(model, input_ids[s]",
+     "grpo: reference logprobs from the policy (the KL term vanishes)", [GRPO_STEP]),
+    ("algos/ppo.py", "old_logps * mask, ref_logps * mask, old_values * mask",
+     "old_logps * mask, ref_logps * mask, old_values",
+     "ppo: values after the EOS not zeroed (they leak into GAE)", [PPO_STEP]),
+    ("algos/ppo.py", "advantages = whiten(advantages, mask)", "advantages = whiten(advantages, torch.ones_like(mask))",
+     "ppo: advantages whitened over the padding after the EOS too", [PPO_STEP]),
+    ("algos/ppo.py", "loss = pg_loss + args.vf_coef * vf_loss", "loss = pg_loss",
+     "ppo: value loss left out", [PPO_STEP]),
+    ("algos/rloo.py", "advantages = whiten(advantages, all_mask)", "advantages = whiten(advantages)",
+     "rloo: token-level advantages whitened over the padding too", [RLOO_STEP + "[token_level_kl_whitened]"]),
+    ("algos/rloo.py", "advantages = whiten(advantages, all_mask)", "advantages = whiten(advantages, sampled)",
+     "rloo: token-level advantages whitened over the unscored completions too",
+     [RLOO_STEP + "[token_level_kl_whitened]"]),
+    ("algos/rloo.py", "rlhf_reward = all_scores + non_score_reward", "rlhf_reward = all_scores",
+     "rloo: KL penalty left out of the reward", [RLOO_STEP + "[default]"]),
+    ("algos/dpo.py", "bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())",
+     "bco_sum, bco_count = total[0].item(), int(total[1].item())",
+     "dpo: bco_pair's delta from the last step only, not the running mean", [DPO_BCO]),
+    ("algos/dpo.py", 'if args.loss_type == "bco_pair" and train:', 'if args.loss_type == "bco_pair":',
+     "dpo: bco_pair's running mean takes in the evaluation batches", [DPO_BCO]),
+    ("algos/dpo.py", "ref_c, ref_r = cached_ref[indices]", "ref_r, ref_c = cached_ref[indices]",
+     "dpo: reference logprobs of chosen and rejected swapped", ["tests/test_dpo.py::" + STEP]),
+    ("algos/kto.py", "labels = labels.to(accelerator.device)", "labels = ~labels.to(accelerator.device)",
+     "kto: desirable and undesirable rows swapped in the step", ["tests/test_kto.py::" + STEP]),
+    ("algos/online_dpo.py", "loss = (losses * ranked).sum() / len(losses)", "loss = losses.mean()",
+     "online_dpo: pairs with an unscored completion trained", ["tests/test_online_dpo.py::" + STEP]),
+    ("algos/sft.py", "loss = sft_loss(logits, input_ids, loss_mask, num_tokens=num_tokens)",
+     "loss = sft_loss(logits, input_ids, attention_mask, num_tokens=num_tokens)",
+     "sft: prompt tokens learnt (the attention mask as loss mask)",
+     ["tests/test_sft.py::test_default_first_step_gradient_against_the_cross_entropy_written_out"]),
+    ("algos/reward.py", "chosen, rejected = last_token_scores(", "rejected, chosen = last_token_scores(",
+     "reward: chosen and rejected swapped where a batch is scored", ["tests/test_reward.py::" + STEP]),
 ]
 
 
