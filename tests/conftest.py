@@ -41,6 +41,17 @@ def tiny_model(tiny_task):
 
 
 @pytest.fixture()
+def one_torch_thread():
+    """One torch thread for a test that runs a script in-process on the tiny model: a second thread saves
+    nothing at that size, and on a 2-core machine shared with other jobs it mostly waits (the ten first-step
+    tests: 7-14 s in all on one thread, 64-146 s on two, on such a machine within the hour)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
 def tokenizer(tiny_model):
     from common.models import load_tokenizer
 

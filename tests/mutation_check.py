@@ -8,19 +8,30 @@ unchanged copy, or a failure would prove nothing.
     python tests/mutation_check.py              # every mutation; a table of bug -> failing test, time
     python tests/mutation_check.py --only 3 7   # some of them (numbers as in the table)
     python -m pytest -m mutation                # the same, as a test (every bug must be caught)
+
+Two mutations run at a time (--jobs), each in its own copy, each pytest on one torch thread: most of a
+row's time is pytest starting, and two processes of two threads each on a 2-core machine would wait
+on each other.
 """
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSES = "tests/test_per_token_passes.py"
+STEP = "test_default_first_step_gradient_against_the_loss_written_out"
+GRPO_STEP = "tests/test_grpo.py::test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows"
+PPO_STEP = "tests/test_ppo.py::test_default_first_step_gradient_against_gae_and_whitening_written_out"
+RLOO_STEP = "tests/test_rloo.py::test_first_step_gradient_against_the_advantages_written_out"
+DPO_BCO = "tests/test_dpo.py::test_bco_pair_running_mean_of_the_rewards_of_earlier_steps"
 
 # (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
 MUTATIONS = [
@@ -118,8 +129,8 @@ MUTATIONS = [
      "torch.quantile(entropy.flatten().float(), 1 - quantile)",
      "grpo: entropy quantile over the padding too",
      ["tests/test_grpo.py::test_top_entropy_mask_hand_worked"]),
-    ("algos/grpo.py", "torch.cat([c[k][keep] for keep, c in pool] + [c[k][~keep] for keep, c in pool])",
-     "torch.cat([c[k] for keep, c in pool])",
+    ("algos/grpo.py", "torch.cat([b[k][keep] for keep, b in pool] + [b[k][~keep] for keep, b in pool])",
+     "torch.cat([b[k] for keep, b in pool])",
      "grpo: dynamic sampling keeps the constant groups",
      ["tests/test_grpo.py::test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds"]),
     ("algos/rloo.py", "per_token, clipped = -torch.clamp(ratio, max=1 + cliprange).detach() * a * logps, ratio > 1 + cliprange",
@@ -142,6 +153,46 @@ MUTATIONS = [
      "truncate_scores(logits[c].float() / temperature, **truncation)",
      "common: a label the truncation drops gets log-probability -inf",
      ["tests/test_common_generation.py::test_token_logprobs_of_the_truncated_distribution_hand_worked[top_k]"]),
+    # the loops between the functions (issue 38): each script's first step at its defaults, gradient against the loss
+    # written out in the test (tests/first_step.py)
+    ("algos/grpo.py", "else logps.detach()  # mu == 1", "else logps  # mu == 1",
+     "grpo: sampling-time logprobs not detached at num_iterations 1 (the policy gradient vanishes)", [GRPO_STEP]),
+    ("algos/grpo.py", "loss_mask = c_mask.float() * ~rewards.isnan()[:, None]", "loss_mask = c_mask.float()",
+     "grpo: unscored completions back in the loss (their KL term, their tokens in the count)", [GRPO_STEP]),
+    ("algos/grpo.py", "ref_logps = [completion_logps(ref, input_ids[s]",
+     "ref_logps = [completion_logps(model, input_ids[s]",
+     "grpo: reference logprobs from the policy (the KL term vanishes)", [GRPO_STEP]),
+    ("algos/ppo.py", "old_logps * mask, ref_logps * mask, old_values * mask",
+     "old_logps * mask, ref_logps * mask, old_values",
+     "ppo: values after the EOS not zeroed (they leak into GAE)", [PPO_STEP]),
+    ("algos/ppo.py", "advantages = whiten(advantages, r.mask)", "advantages = whiten(advantages, torch.ones_like(r.mask))",
+     "ppo: advantages whitened over the padding after the EOS too", [PPO_STEP]),
+    ("algos/ppo.py", "loss = pg_loss + args.vf_coef * vf_loss", "loss = pg_loss",
+     "ppo: value loss left out", [PPO_STEP]),
+    ("algos/rloo.py", "advantages = whiten(advantages, all_mask)", "advantages = whiten(advantages)",
+     "rloo: token-level advantages whitened over the padding too", [RLOO_STEP + "[token_level_kl_whitened]"]),
+    ("algos/rloo.py", "advantages = whiten(advantages, all_mask)", "advantages = whiten(advantages, sampled)",
+     "rloo: token-level advantages whitened over the unscored completions too",
+     [RLOO_STEP + "[token_level_kl_whitened]"]),
+    ("algos/rloo.py", "rlhf_reward = all_scores + non_score_reward", "rlhf_reward = all_scores",
+     "rloo: KL penalty left out of the reward", [RLOO_STEP + "[default]"]),
+    ("algos/dpo.py", "bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())",
+     "bco_sum, bco_count = total[0].item(), int(total[1].item())",
+     "dpo: bco_pair's delta from the last step only, not the running mean", [DPO_BCO]),
+    ("algos/dpo.py", 'if args.loss_type == "bco_pair" and train:', 'if args.loss_type == "bco_pair":',
+     "dpo: bco_pair's running mean takes in the evaluation batches", [DPO_BCO]),
+    ("algos/dpo.py", "ref_c, ref_r = cached_ref[indices]", "ref_r, ref_c = cached_ref[indices]",
+     "dpo: reference logprobs of chosen and rejected swapped", ["tests/test_dpo.py::" + STEP]),
+    ("algos/kto.py", "labels = labels.to(accelerator.device)", "labels = ~labels.to(accelerator.device)",
+     "kto: desirable and undesirable rows swapped in the step", ["tests/test_kto.py::" + STEP]),
+    ("algos/online_dpo.py", "loss = (losses * ranked).sum() / len(losses)", "loss = losses.mean()",
+     "online_dpo: pairs with an unscored completion trained", ["tests/test_online_dpo.py::" + STEP]),
+    ("algos/sft.py", "loss = sft_loss(logits, input_ids, loss_mask, num_tokens=num_tokens)",
+     "loss = sft_loss(logits, input_ids, attention_mask, num_tokens=num_tokens)",
+     "sft: prompt tokens learnt (the attention mask as loss mask)",
+     ["tests/test_sft.py::test_default_first_step_gradient_against_the_cross_entropy_written_out"]),
+    ("algos/reward.py", "chosen, rejected = last_token_scores(", "rejected, chosen = last_token_scores(",
+     "reward: chosen and rejected swapped where a batch is scored", ["tests/test_reward.py::" + STEP]),
 ]
 
 
@@ -153,7 +204,8 @@ def copy_project(dest: str):
 
 def run_tests(where: str, tests: list[str]) -> tuple[int, str, float]:
     """pytest on `tests` inside `where` (its own modules first on the path); (exit code, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               OMP_NUM_THREADS="1")
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests],
                           cwd=where, env=env, capture_output=True, text=True)
@@ -165,36 +217,51 @@ def failing_test(output: str) -> str:
     return found.group(1) if found else "(exit code only)"
 
 
-def check(only: list[int] | None = None) -> list[dict]:
+def check(only: list[int] | None = None, jobs: int = 2) -> list[dict]:
     chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not only or i in only]
+    jobs = max(1, min(jobs, len(chosen)))
     results = []
-    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
-        where = os.path.join(tmp, "project")
-        copy_project(where)
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp, ThreadPoolExecutor(jobs) as pool:
+        copies = queue.Queue()  # one project copy per job; a mutation borrows one and restores it
+        for k in range(jobs):
+            copy_project(os.path.join(tmp, f"project{k}"))
+            copies.put(os.path.join(tmp, f"project{k}"))
         baseline = sorted({t for _, m in chosen for t in m[4]})
-        code, output, seconds = run_tests(where, baseline)
-        if code != 0:
-            raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n{output[-3000:]}")
-        print(f"unchanged project: {len(baseline)} tests pass ({seconds:.0f} s)", flush=True)
-        for i, (path, text, replacement, bug, tests) in chosen:
-            file = os.path.join(where, path)
-            with open(file) as f:
-                source = f.read()
-            if source.count(text) != 1:
-                raise SystemExit(f"mutation {i}: {text!r} occurs {source.count(text)} times in {path}, not once")
-            with open(file, "w") as f:
-                f.write(source.replace(text, replacement))
+        start = time.time()
+        parts = [(os.path.join(tmp, f"project{k}"), baseline[k::jobs]) for k in range(jobs) if baseline[k::jobs]]
+        for code, output, _ in pool.map(lambda part: run_tests(*part), parts):
+            if code != 0:
+                raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n"
+                                 f"{output[-3000:]}")
+        print(f"unchanged project: {len(baseline)} tests pass ({time.time() - start:.0f} s)", flush=True)
+
+        def attempt(i, path, text, replacement, bug, tests):
+            where = copies.get()
             try:
-                code, output, seconds = run_tests(where, tests)
-            finally:
+                file = os.path.join(where, path)
+                with open(file) as f:
+                    source = f.read()
+                if source.count(text) != 1:
+                    raise SystemExit(f"mutation {i}: {text!r} occurs {source.count(text)} times in {path}, not once")
                 with open(file, "w") as f:
-                    f.write(source)
+                    f.write(source.replace(text, replacement))
+                try:
+                    code, output, seconds = run_tests(where, tests)
+                finally:
+                    with open(file, "w") as f:
+                        f.write(source)
+            finally:
+                copies.put(where)
             caught = code != 0
-            results.append({"n": i, "file": path, "bug": bug, "caught": caught, "seconds": seconds,
-                            "by": failing_test(output) if caught else "NOT CAUGHT"})
-            print(f"{i:2d}. {'caught' if caught else 'MISSED'} in {seconds:4.0f} s  {bug}  <- {results[-1]['by']}",
-                  flush=True)
-    return results
+            return {"n": i, "file": path, "bug": bug, "caught": caught, "seconds": seconds,
+                    "by": failing_test(output) if caught else "NOT CAUGHT"}
+
+        for done in as_completed([pool.submit(attempt, i, *m) for i, m in chosen]):
+            r = done.result()
+            results.append(r)
+            print(f"{r['n']:2d}. {'caught' if r['caught'] else 'MISSED'} in {r['seconds']:4.0f} s  {r['bug']}  "
+                  f"<- {r['by']}", flush=True)
+    return sorted(results, key=lambda r: r["n"])
 
 
 def table(results: list[dict]) -> str:
@@ -206,7 +273,9 @@ def table(results: list[dict]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", type=int, nargs="*", help="mutation numbers to run (default: all)")
-    results = check(parser.parse_args().only)
+    parser.add_argument("--jobs", type=int, default=2, help="mutations run at a time, each in its own copy")
+    options = parser.parse_args()
+    results = check(options.only, options.jobs)
     print(table(results))
     missed = [r for r in results if not r["caught"]]
     print(f"{len(results) - len(missed)} of {len(results)} caught")

@@ -3,9 +3,11 @@ and short end-to-end runs (overfitting, precomputed reference, TR-DPO)."""
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from algos import dpo
@@ -219,3 +221,63 @@ def test_ipo_logs_beta_times_summed_log_ratios_as_every_loss_type(tmp_path, sft_
         assert logged[loss_type]["rewards/rejected"] == pytest.approx(rejected, abs=1e-4)
         assert logged[loss_type]["rewards/margins"] == pytest.approx(chosen - rejected, abs=1e-4)
         assert logged[loss_type]["rewards/accuracies"] == float(chosen > rejected)
+
+
+def first_step_setup(tmp_path, tiny_model, monkeypatch, **overrides):
+    """dpo.py on the 4 fixed pairs (one batch of 4, so every step sees all of them) with a perturbed
+    reference; its recorded steps, the reference and, per pair, the tokens of prompt, chosen, rejected."""
+    from common.models import load_tokenizer
+    from tests.first_step import PAIRS, encode, gradients_before_clipping, perturbed_reference, write_splits
+    loaded = perturbed_reference(monkeypatch, dpo)
+    args = dpo.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "pairs", PAIRS),
+                    per_device_train_batch_size=4, output_dir=str(tmp_path / "dpo"), **overrides)
+    records = gradients_before_clipping(monkeypatch, dpo.main, args, steps=overrides.get("max_steps", 1))
+    tokenizer = load_tokenizer(tiny_model)
+    pairs = [(*encode(tokenizer, r["prompt"], r["chosen"]), encode(tokenizer, r["prompt"], r["rejected"])[1])
+             for r in PAIRS]
+    return args, records, loaded[1], tokenizer, pairs
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
+    """dpo.py at its defaults (sigmoid, beta 0.1): the gradient of its first step against
+    mean -log sigmoid(beta h), h = (log pi - log pi_ref)(chosen) - (...)(rejected), every sequence scored
+    alone here; the chosen and the rejected parts of the gradient are each checked."""
+    from tests.first_step import assert_gradient, gradient, grads_of, own_logprobs, policy_with, weights_of
+    args, (record,), ref, tokenizer, pairs = first_step_setup(tmp_path, tiny_model, monkeypatch)
+    policy = policy_with(tiny_model, tokenizer, weights_of(record))
+    chosen = rejected = 0.0
+    for p, c, r in pairs:
+        lc, lr = own_logprobs(policy, p, c).sum(), own_logprobs(policy, p, r).sum()
+        with torch.no_grad():
+            h = (lc - own_logprobs(ref, p, c).sum()) - (lr - own_logprobs(ref, p, r).sum())
+        weight = args.beta * torch.sigmoid(-args.beta * h) / len(pairs)  # d(-log sigmoid(beta h)) / dh, averaged
+        chosen, rejected = chosen - weight * lc, rejected + weight * lr
+    assert_gradient(grads_of(record), {"chosen": gradient(chosen, policy), "rejected": gradient(rejected, policy)})
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bco_pair_running_mean_of_the_rewards_of_earlier_steps(tmp_path, tiny_model, monkeypatch):
+    """bco_pair's delta is the mean of every implicit reward beta log(pi / pi_ref), chosen and rejected,
+    of the training steps before (0 at the first; evaluations, here after every step, do not count).
+    Three steps at a learning rate that moves the policy: each step's gradient against
+    -log sigmoid(beta a - delta) - log sigmoid(-(beta b - delta)) with delta worked out from the earlier
+    steps' recorded weights."""
+    from tests.first_step import assert_gradient, gradient, grads_of, own_logprobs, policy_with, weights_of
+    args, records, ref, tokenizer, pairs = first_step_setup(
+        tmp_path, tiny_model, monkeypatch, loss_type="bco_pair", max_steps=3, learning_rate=1e-3, warmup_ratio=0.0,
+        eval_steps=1, num_sample_generations=0)
+    with torch.no_grad():
+        ref_logps = [(own_logprobs(ref, p, c).sum(), own_logprobs(ref, p, r).sum()) for p, c, r in pairs]
+    seen, deltas = [], []
+    for record in records:
+        policy = policy_with(tiny_model, tokenizer, weights_of(record))
+        delta = statistics.mean(seen) if seen else 0.0
+        loss = 0.0
+        for (p, c, r), (ref_c, ref_r) in zip(pairs, ref_logps):
+            a, b = own_logprobs(policy, p, c).sum() - ref_c, own_logprobs(policy, p, r).sum() - ref_r
+            loss = loss + (-F.logsigmoid(args.beta * a - delta) - F.logsigmoid(-(args.beta * b - delta))) / len(pairs)
+            seen += [args.beta * a.item(), args.beta * b.item()]
+        assert_gradient(grads_of(record), {"bco": gradient(loss, policy)})
+        deltas.append(delta)
+    assert deltas[0] == 0 and abs(deltas[2] - deltas[1]) > 1e-3 * abs(deltas[1]) > 0, deltas  # the policy moved

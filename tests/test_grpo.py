@@ -279,3 +279,47 @@ def test_top_entropy_quantile_reaches_the_loss(tmp_path, sft_model):
         grpo.main(grpo.Args(**common, top_entropy_quantile=quantile, output_dir=out))
         losses.append(read_log(out)[0]["loss"])
     assert losses[0] != 0.0 and losses[1] != pytest.approx(losses[0], rel=1e-3), losses
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows(tmp_path, tiny_model, monkeypatch):
+    """grpo.py at its defaults (dapo, beta 0.04, group scaling, num_iterations 1, temperature 1) on fixed
+    samples: the gradient of its first step against the loss written out here, row by row, with a reward
+    that leaves some completions unscored. At ratio 1 the clipped term's gradient is -A_i grad log pi; the
+    k3 term's is not 0 because the reference is perturbed; both are summed over the scored rows' tokens
+    only and divided by their count. Each term is checked: a vanished policy gradient fails, and so does
+    an unscored row let back into the KL term (or into the token count)."""
+    from common.models import load_tokenizer
+    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, perturbed_reference, policy_with, weights_of)
+    loaded, calls = perturbed_reference(monkeypatch, grpo), fixed_samples(monkeypatch, grpo)
+    args = grpo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
+                     reward_funcs=["tests.toy_rewards:short_or_none"],
+                     per_device_train_batch_size=16, max_completion_length=8, output_dir=str(tmp_path / "grpo"))
+    (record,) = gradients_before_clipping(monkeypatch, grpo.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
+    (prompts, completions, _), = calls
+    # short_or_none: -(words), None for an odd number of words; A = (r - mean) / (std + 1e-4) over each
+    # group's scored rows (sample std), 0 for the unscored
+    words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
+    rewards = [None if w % 2 else -float(w) for w in words]
+    advantages = []
+    for g in range(0, len(rewards), args.num_generations):
+        group = rewards[g:g + args.num_generations]
+        scored = [r for r in group if r is not None]
+        assert len(set(scored)) > 1 and len(scored) < len(group), group  # informative, and some unscored
+        mean, std = statistics.mean(scored), statistics.stdev(scored)
+        advantages += [0.0 if r is None else (r - mean) / (std + 1e-4) for r in group]
+    tokens = sum(len(c) for c, r in zip(completions, rewards) if r is not None)
+    pg = kl = 0.0
+    for p, c, r, a in zip(prompts, completions, rewards, advantages):
+        if r is None:
+            continue
+        logps = own_logprobs(policy, p, c, args.temperature)
+        with torch.no_grad():
+            ref_logps = own_logprobs(ref, p, c, args.temperature)
+        q = ref_logps - logps
+        pg = pg - a * logps.sum() / tokens
+        kl = kl + args.beta * (q.exp() - q - 1).sum() / tokens
+    assert_gradient(grads_of(record), {"policy gradient": gradient(pg, policy), "kl": gradient(kl, policy)})

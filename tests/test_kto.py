@@ -3,6 +3,7 @@ pair conversion, the mismatched KL batch, and short end-to-end runs."""
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -91,3 +92,41 @@ def test_kto_end_to_end_on_unpaired_data_prints_the_weight_hint(tmp_path, sft_mo
     # trained and evaluated on the same rows: desirable completions gain, undesirable ones lose
     assert log[-1]["eval_rewards/chosen"] > 0.1 > -0.1 > log[-1]["eval_rewards/rejected"]
     assert log[-1]["eval_loss"] < log[0]["loss"]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
+    """kto.py at its defaults (kto, beta 0.1, weights 1) on 4 fixed preference pairs, i.e. 8 rows in one
+    batch, with a perturbed reference: the gradient of its first step against the loss written out here,
+    every sequence scored alone. z0 = max(0, mean over rows of log pi / pi_ref of prompt i with the
+    completion of the row before it in the batch), no gradient through it; the desirable rows' part
+    1 - sigmoid(beta (r - z0)) and the undesirable rows' 1 - sigmoid(beta (z0 - r)) are each checked."""
+    from common.models import load_tokenizer
+    from tests.first_step import (PAIRS, assert_gradient, encode, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, perturbed_reference, policy_with, weights_of, write_splits)
+    loaded, batches, collate = perturbed_reference(monkeypatch, kto), [], kto.collate
+    monkeypatch.setattr(kto, "collate", lambda examples, *a: batches.append(list(examples)) or collate(examples, *a))
+    args = kto.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "pairs", PAIRS),
+                    per_device_train_batch_size=8, output_dir=str(tmp_path / "kto"))
+    (record,) = gradients_before_clipping(monkeypatch, kto.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    policy, ref, rows = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1], batches[0]
+    # the batch holds the pairs' rows (in the order the script drew them: it decides the KL rows)
+    assert sorted(rows) == sorted((*encode(tokenizer, r["prompt"], r[k]), k == "chosen")
+                                  for r in PAIRS for k in ("chosen", "rejected"))
+
+    def ratio(model, p, c):
+        return own_logprobs(model, p, c).sum() - own_logprobs(ref, p, c).sum().detach()
+
+    with torch.no_grad():
+        z0 = max(0.0, statistics.mean(ratio(policy, p, rows[i - 1][1]).item() for i, (p, _, _) in enumerate(rows)))
+    assert z0 > 0.1  # the reference point is in play
+    desirable = undesirable = 0.0
+    for p, c, label in rows:
+        r = ratio(policy, p, c)
+        if label:
+            desirable = desirable + (1 - torch.sigmoid(args.beta * (r - z0))) / len(rows)
+        else:
+            undesirable = undesirable + (1 - torch.sigmoid(args.beta * (z0 - r))) / len(rows)
+    assert_gradient(grads_of(record), {"desirable": gradient(desirable, policy),
+                                       "undesirable": gradient(undesirable, policy)})

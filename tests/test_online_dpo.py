@@ -64,3 +64,40 @@ def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
     for r in log:
         assert r["objective/scores"] == pytest.approx(r["rewards/short/mean"], abs=1e-5)
         assert r["completions/unscored_ratio"] == 0 and math.isfinite(r["rewards/short_or_none/mean"])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
+    """online_dpo.py at its defaults (sigmoid, beta 0.1) on fixed samples (two per prompt), with a reward
+    that leaves some unscored and a perturbed reference: the gradient of its first step against
+    sum over ranked pairs of -log sigmoid(beta h) / pairs, chosen = the higher score (ties: the first),
+    every sequence scored alone here at temperature 1; a pair with an unscored completion adds nothing but
+    counts in the mean. The chosen and the rejected parts are each checked."""
+    from common.models import load_tokenizer
+    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, perturbed_reference, policy_with, weights_of)
+    loaded, calls = perturbed_reference(monkeypatch, online_dpo), fixed_samples(monkeypatch, online_dpo)
+    args = online_dpo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
+                           reward_funcs=["tests.toy_rewards:short_or_none"],
+                           per_device_train_batch_size=8, max_new_tokens=8, output_dir=str(tmp_path / "odpo"))
+    (record,) = gradients_before_clipping(monkeypatch, online_dpo.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
+    (prompts, completions, _), = calls
+    words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
+    scores = [None if w % 2 else -float(w) for w in words]  # short_or_none
+    beta, n_pairs, ranked = args.beta[0], len(completions) // 2, 0
+    chosen = rejected = 0.0
+    for j in range(n_pairs):
+        (s0, s1), (p, _) = scores[2 * j:2 * j + 2], prompts[2 * j:2 * j + 2]
+        if s0 is None or s1 is None:
+            continue
+        ranked += 1
+        c, r = completions[2 * j:2 * j + 2] if s0 >= s1 else completions[2 * j:2 * j + 2][::-1]
+        lc, lr = own_logprobs(policy, p, c).sum(), own_logprobs(policy, p, r).sum()
+        with torch.no_grad():
+            h = (lc - own_logprobs(ref, p, c).sum()) - (lr - own_logprobs(ref, p, r).sum())
+        weight = beta * torch.sigmoid(-beta * h) / n_pairs
+        chosen, rejected = chosen - weight * lc, rejected + weight * lr
+    assert 0 < ranked < n_pairs, scores  # some pairs left out
+    assert_gradient(grads_of(record), {"chosen": gradient(chosen, policy), "rejected": gradient(rejected, policy)})

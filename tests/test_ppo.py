@@ -98,3 +98,54 @@ def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
         assert math.isfinite(r[scored_by_rm])
         assert r["objective/scores"] == pytest.approx(r["rewards/short/mean"] - (1 - r["val/num_eos_tokens"] / 16),
                                                       abs=1e-5)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_gae_and_whitening_written_out(tmp_path, tiny_model, monkeypatch):
+    """ppo.py at its defaults (k1 KL 0.05, gamma 1, lam 0.95, whitened advantages, vf_coef 0.1, temperature
+    0.7) on fixed samples, most of them stopped by an EOS before response_length: the gradient of its first
+    step against the losses written out here, row by row. Rewards, values, GAE and whitening run over each
+    response's real tokens only: A_t = sum_l (gamma lam)^l delta_{t+l} up to its EOS, with V = 0 after it.
+    At ratio 1 the policy's gradient is -A_t grad log pi / tokens; at V = V_old the value model's is
+    vf_coef (V_t - R_t) grad V / tokens; each is checked."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.models import load_tokenizer
+    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, perturbed_reference, policy_with, weights_of)
+    rm = str(tmp_path / "rm")  # the value model starts from it; at weight 0 a toy reward decides
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(rm)
+    load_tokenizer(tiny_model).save_pretrained(rm)
+    loaded, calls = perturbed_reference(monkeypatch, ppo), fixed_samples(monkeypatch, ppo)
+    args = ppo.Args(model_name_or_path=tiny_model, reward_model_path=rm, reward_funcs=["tests.toy_rewards:short"],
+                    reward_weights=[0.0, 1.0], per_device_train_batch_size=8, response_length=8,
+                    output_dir=str(tmp_path / "ppo"))
+    (record,) = gradients_before_clipping(monkeypatch, ppo.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record, "policy.")), loaded[1]
+    value_model = AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    value_model.load_state_dict(weights_of(record, "value_model."))
+    backbone = getattr(value_model, value_model.base_model_prefix)
+    (prompts, completions, finished), = calls
+    assert 0 < sum(finished) < len(finished) and min(map(len, completions)) < args.response_length  # padding after EOS
+    gamma, lam, tokens = args.gamma, args.lam, sum(map(len, completions))
+    logps, values, advantages = [], [], []
+    for p, c in zip(prompts, completions):
+        logps.append(own_logprobs(policy, p, c, args.temperature))
+        hidden = backbone(torch.tensor([p + c])).last_hidden_state[0]
+        values.append(value_model.score(hidden[len(p) - 1:-1]).squeeze(-1))  # V(s_t): the state before token t
+        with torch.no_grad():
+            rewards = -args.kl_coef * (logps[-1] - own_logprobs(ref, p, c, args.temperature))
+        rewards[-1] += -len(tokenizer.decode(c, skip_special_tokens=True).split())  # short, at the last real token
+        v = values[-1].detach().tolist() + [0.0]
+        deltas = [rewards[t].item() + gamma * v[t + 1] - v[t] for t in range(len(c))]
+        advantages.append(torch.tensor([sum((gamma * lam) ** (s - t) * deltas[s] for s in range(t, len(c)))
+                                        for t in range(len(c))]))
+    returns = [a + v.detach() for a, v in zip(advantages, values)]
+    real = torch.cat(advantages)
+    white = [(a - real.mean()) / (real.var() + 1e-8).sqrt() for a in advantages]
+    pg = sum(-(a * lp).sum() for a, lp in zip(white, logps)) / tokens
+    vf = args.vf_coef * sum(0.5 * ((v - r) ** 2).sum() for v, r in zip(values, returns)) / tokens
+    assert_gradient(grads_of(record), {"policy gradient": gradient(pg, policy, "policy."),
+                                       "value": gradient(vf, value_model, "value_model.")})

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from algos import reward
 from algos.reward import Args, collate, reward_loss, rewards_of, tokenize
 from benchmarks import tiny_tldr
 from common.data import load_split
@@ -93,3 +94,28 @@ def test_reward_learns_a_small_preference_set(tmp_path, sft_model):
     log = read_log(out)
     # an indifferent reward model has loss log 2 and accuracy 0.5 (chance)
     assert log[-1]["eval_loss"] < math.log(2) - 0.05 and log[-1]["eval_accuracy"] > 0.6, log[-1]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny_model, monkeypatch):
+    """reward.py at its defaults (Bradley-Terry, no centering, a fresh head) on 4 fixed pairs in one batch:
+    the gradient of its first step against mean -log sigmoid(r_chosen - r_rejected), every sequence scored
+    alone here by the classifier at its last token (EOS); the chosen and the rejected parts are each checked."""
+    from tests.first_step import (PAIRS, assert_gradient, encode, gradient, gradients_before_clipping, grads_of,
+                                  weights_of, write_splits)
+    args = Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "pairs", PAIRS),
+                per_device_train_batch_size=4, output_dir=str(tmp_path / "rm"))
+    (record,) = gradients_before_clipping(monkeypatch, reward.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).eval()
+    model.load_state_dict(weights_of(record))  # the head the script drew
+
+    def score(prompt, completion):
+        return model(input_ids=torch.tensor([sum(encode(tokenizer, prompt, completion), [])])).logits[0, 0]
+
+    chosen = rejected = 0.0
+    for row in PAIRS:
+        rc, rr = score(row["prompt"], row["chosen"]), score(row["prompt"], row["rejected"])
+        weight = torch.sigmoid(rr - rc).detach() / len(PAIRS)  # d(-log sigmoid(rc - rr)) / d rc, averaged
+        chosen, rejected = chosen - weight * rc, rejected + weight * rr
+    assert_gradient(grads_of(record), {"chosen": gradient(chosen, model), "rejected": gradient(rejected, model)})

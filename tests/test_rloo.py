@@ -128,3 +128,60 @@ def test_rloo_learns_a_toy_reward(tmp_path, sft_model):
     assert names <= set(log[0]) and log[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     first, last = [statistics.mean(r["objective/scores"] for r in rows) for rows in (log[:3], log[-3:])]
     assert last > first + 1.0, (first, last)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("token_level", [False, True], ids=["default", "token_level_kl_whitened"])
+def test_first_step_gradient_against_the_advantages_written_out(tmp_path, tiny_model, monkeypatch, token_level):
+    """rloo.py on fixed samples, with a reward that leaves some unscored and a perturbed reference: the
+    gradient of its first step (ratio 1: -A grad log pi over the scored rows' tokens, divided by their
+    count) against the advantages worked out here, row by row. default: its defaults, A_i = R_i - the
+    mean R of the other scored rows of its prompt, R = score - kl_coef * sum_t KL_t; the score's part and
+    the KL penalty's part are each checked. token_level_kl_whitened (--token_level_kl
+    --normalize_advantages): A_it = return-to-go minus the leave-one-out mean of the others' whole
+    returns, whitened over the scored rows' real tokens only (no padding, no unscored row)."""
+    from common.models import load_tokenizer
+    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, perturbed_reference, policy_with, weights_of)
+    loaded, calls = perturbed_reference(monkeypatch, rloo), fixed_samples(monkeypatch, rloo)
+    args = rloo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
+                     reward_funcs=["tests.toy_rewards:short_or_none"],
+                     per_device_train_batch_size=12, max_completion_length=8, token_level_kl=token_level,
+                     normalize_advantages=token_level, output_dir=str(tmp_path / "rloo"))
+    (record,) = gradients_before_clipping(monkeypatch, rloo.main, args)
+    tokenizer = load_tokenizer(tiny_model)
+    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
+    (prompts, completions, _), = calls
+    assert len({len(c) for c in completions}) > 1  # padding in the batch
+    words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
+    scores = [None if w % 2 else -float(w) for w in words]  # short_or_none
+    assert None in scores
+    logps = [own_logprobs(policy, p, c, args.temperature) for p, c in zip(prompts, completions)]
+    with torch.no_grad():
+        kl = [lp.detach() - own_logprobs(ref, p, c, args.temperature) for lp, p, c in zip(logps, prompts, completions)]
+    k, n = args.rloo_k, len(completions)
+
+    def others(i):  # the other scored rows of row i's prompt
+        return [j for j in range(i - i % k, i - i % k + k) if j != i and scores[j] is not None]
+
+    tokens = sum(len(c) for c, s in zip(completions, scores) if s is not None)
+    if not token_level:  # -A_i grad sum_t log pi, A_i split into the score's and the KL penalty's parts
+        terms = {"score": 0.0, "kl penalty": 0.0}
+        for i in range(n):
+            if scores[i] is None or not others(i):
+                continue
+            a_score = scores[i] - statistics.mean(scores[j] for j in others(i))
+            a_kl = -args.kl_coef * (kl[i].sum().item() - statistics.mean(kl[j].sum().item() for j in others(i)))
+            terms["score"] = terms["score"] - a_score * logps[i].sum() / tokens
+            terms["kl penalty"] = terms["kl penalty"] - a_kl * logps[i].sum() / tokens
+    else:  # token rewards -kl_coef KL_t, the score on the last token; returns to go; whole returns' baseline
+        returns = [None if s is None else (-args.kl_coef * kl[i]).flip(0).cumsum(0).flip(0) + s
+                   for i, s in enumerate(scores)]
+        advantages = [returns[i] - statistics.mean(returns[j][0].item() for j in others(i)) if others(i)
+                      else torch.zeros(len(completions[i])) for i in range(n) if scores[i] is not None]
+        real = torch.cat(advantages)  # the scored rows' real tokens (a row with no scored sibling: 0)
+        assert len(real) == tokens < n * args.max_completion_length
+        white = [(a - real.mean()) / (real.std() + 1e-8) for a in advantages]
+        scored_logps = [lp for lp, s in zip(logps, scores) if s is not None]
+        terms = {"whitened token advantages": sum(-(a * lp).sum() for a, lp in zip(white, scored_logps)) / tokens}
+    assert_gradient(grads_of(record), {name: gradient(t, policy) for name, t in terms.items()})

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from algos import sft
 from algos.sft import collate, sft_loss, tokenize
 from tests.conftest import run_script
 
@@ -151,3 +152,22 @@ def test_help_documents_every_option():
     for flag in ("--model-name-or-path", "--dataset-name", "--max-length", "--learning-rate", "--track"):
         assert flag in proc.stdout.replace("_", "-")
     assert "completion tokens" in proc.stdout  # a docstring made it into the help
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_first_step_gradient_against_the_cross_entropy_written_out(tmp_path, tiny_model, monkeypatch):
+    """sft.py at its defaults on 4 fixed rows in one batch: the gradient of its first step against the
+    summed negative log-likelihood of the completion tokens (EOS included, prompt tokens not) over their
+    count, every row scored alone here."""
+    from tests.first_step import (PAIRS, assert_gradient, encode, gradient, gradients_before_clipping, grads_of,
+                                  own_logprobs, policy_with, weights_of, write_splits)
+    rows = [{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"]} for i, r in enumerate(PAIRS)]
+    args = sft.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "rows", rows),
+                    per_device_train_batch_size=4, output_dir=str(tmp_path / "sft"))
+    (record,) = gradients_before_clipping(monkeypatch, sft.main, args)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = policy_with(tiny_model, tokenizer, weights_of(record))
+    encoded = [encode(tokenizer, r["prompt"], r["completion"]) for r in rows]
+    tokens = sum(len(c) for _, c in encoded)
+    loss = sum(-own_logprobs(model, p, c).sum() for p, c in encoded) / tokens
+    assert_gradient(grads_of(record), {"cross-entropy": gradient(loss, model)})
