@@ -23,6 +23,7 @@ and detached (section 4.1: it only sets the reference point, no gradient flows t
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from collections import Counter
@@ -33,6 +34,8 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+# this tree's common/ before an installed one (`pip install -e` points at the original, not at a copy of it)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.checkpoint import Checkpointer, save_model
 from common.data import NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split, split_implicit_prompt
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation

@@ -21,6 +21,7 @@ not stop lose `missing_eos_penalty` before the ranking.
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
+# this tree's common/ before an installed one (`pip install -e` points at the original, not at a copy of it)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation

@@ -21,6 +21,7 @@ N+ details are marked `N+ detail` where they are implemented.
 import contextlib
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+# this tree's common/ before an installed one (`pip install -e` points at the original, not at a copy of it)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, real_positions, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation

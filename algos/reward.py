@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import random
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
+# this tree's common/ before an installed one (`pip install -e` points at the original, not at a copy of it)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.checkpoint import Checkpointer, save_model
 from common.data import NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split, split_implicit_prompt
 from common.generation import pad, unwrapped_for_generation

@@ -14,6 +14,7 @@ targets, and each completion ends in EOS so that the model learns to stop.
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +23,8 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+# this tree's common/ before an installed one (`pip install -e` points at the original, not at a copy of it)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
