@@ -10,7 +10,7 @@ import sys
 import torch
 
 from common.data import encode_completion, encode_prompt
-from common.generation import pad, real_positions, shared_prefix_cache
+from common.generation import CACHE, pad, real_positions, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
@@ -60,8 +60,8 @@ def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torc
         position_ids = real_positions(attention_mask)
         cache = shared_prefix_cache(model, input_ids, attention_mask, prefix)
         if cache is not None:
-            return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
-                         position_ids=position_ids[:, prefix:], use_cache=True).logits[:, 0].float()
+            return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask,
+                         position_ids=position_ids[:, prefix:], use_cache=True, **{CACHE: cache}).logits[:, 0].float()
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
     finally:
         config.pad_token_id = pad_id

@@ -2,14 +2,13 @@
 vLLM's engine (sleep mode, stop tokens) and weight-transfer classes (server mode, several ranks)."""
 
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from common.generation import generate, stop_token_ids, truncate_at_stop
+from common.generation import CACHE, generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
 from common import vllm as common_vllm
 from common.runtime import UserError
@@ -259,10 +258,10 @@ class SamplingLLM(FakeLLM):
             generator, ids, logprobs, cache = torch.Generator().manual_seed(p.seed), [], [], None
             new = list(prompt["prompt_token_ids"])
             for _ in range(p.max_tokens):
-                out = self.policy(torch.tensor([new]), past_key_values=cache, use_cache=True)
+                out = self.policy(torch.tensor([new]), use_cache=True, **{CACHE: cache})
                 logq = sampling_logprobs(out.logits[0, -1].float() / p.temperature, top_k=max(p.top_k, 0),
                                          top_p=p.top_p, min_p=p.min_p)
-                new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], out.past_key_values
+                new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], getattr(out, CACHE)
                 ids.append(new[0])
                 logprobs.append({new[0]: SimpleNamespace(logprob=logq[new[0]].item())})
                 if new[0] in p.stop_token_ids:
