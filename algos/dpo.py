@@ -364,7 +364,7 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
 
     @torch.no_grad()
     def reference_logps(examples):

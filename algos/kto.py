@@ -344,7 +344,7 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)

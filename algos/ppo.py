@@ -358,7 +358,7 @@ def main(args: Args):
                    gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, policy, args.learning_rate, Args.learning_rate)
     # N+ detail: the value model is initialised from the reward model (a separate network)
-    reward_tokenizer = load_tokenizer(args.reward_model_path)
+    reward_tokenizer = load_tokenizer(args.reward_model_path, role="reward model")
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
     value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype),

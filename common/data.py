@@ -21,7 +21,7 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 def load_split(name: str, split: str) -> Dataset:
     """A split of a hub dataset, a local dataset folder (`save_to_disk`, or data files named by split)
     or one .json/.jsonl/.parquet/.csv file (split "train")."""
-    check_built(name)
+    check_built(name, "dataset")
     try:
         if os.path.isfile(name):
             builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
@@ -104,9 +104,14 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
                         "conversational (messages)")
 
 
+def _which(tokenizer) -> str:
+    """The tokenizer's role and path (common/models.py's load_tokenizer sets the role)."""
+    return f"the {getattr(tokenizer, 'role', 'policy')}'s tokenizer '{tokenizer.name_or_path}'"
+
+
 def _check_chat_template(tokenizer):
     if not tokenizer.chat_template:
-        raise UserError("the dataset is conversational (lists of messages) but the tokenizer has no "
+        raise UserError(f"the dataset is conversational (lists of messages) but {_which(tokenizer)} has no "
                         "chat template; use a tokenizer with one, or standard (string) data")
 
 
@@ -126,8 +131,8 @@ def completion_text(tokenizer, prompt, completion) -> str:
     before = prompt_text(tokenizer, prompt)
     full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full.startswith(before):
-        raise UserError("the chat template renders the prompt differently with and without the "
-                        "completion; the completion tokens cannot be separated from the prompt")
+        raise UserError(f"the chat template of {_which(tokenizer)} renders the prompt differently with and without "
+                        "the completion; the completion tokens cannot be separated from the prompt")
     return full[len(before):].rstrip()  # the template's trailing newline would follow the EOS
 
 

@@ -18,9 +18,9 @@ from common.runtime import UserError
 def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator):
     """[(name, model or function, tokenizer or None)] and their weights (default: all 1)."""
     sources = []
-    for path in model_paths:
-        tokenizer = load_tokenizer(path)
-        model = prepare_frozen(accelerator, load_reward_model(path, tokenizer))
+    for i, path in enumerate(model_paths, 1):
+        tokenizer = load_tokenizer(path, role=f"reward model {i}")
+        model = prepare_frozen(accelerator, load_reward_model(path, tokenizer, role=f"reward model {i}"))
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
     for spec in function_specs:
         sources.append((spec.partition(":")[2], import_function(spec), None))

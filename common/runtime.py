@@ -41,10 +41,10 @@ def exit_on_user_error():
         raise
 
 
-def check_built(path: str):
+def check_built(path: str, what: str):
     """The defaults name the tiny task's folders (tiny_tldr/...), which a benchmark writes."""
     if path.startswith("tiny_tldr/") and not os.path.exists(path):
-        raise UserError(f"'{path}' does not exist; build the tiny task first (from the project root): "
+        raise UserError(f"{what} '{path}' does not exist; build the tiny task first (from the project root): "
                         "python benchmarks/tiny_tldr.py")
 
 

@@ -33,8 +33,7 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
 
 
 def sft_args(tmp_path, **kw):
-    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", 
-                    output_dir=str(tmp_path / "out"))
+    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", output_dir=str(tmp_path / "out"))
     return sft.Args(**{**defaults, **kw})
 
 
@@ -67,7 +66,7 @@ def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
 
 
 def test_reward_without_an_sft_model_says_so(tmp_path):
-    with pytest.raises(UserError, match="could not load 'nowhere/sft'"):
+    with pytest.raises(UserError, match="could not load the reward model's tokenizer 'nowhere/sft'"):
         reward.main(reward.Args(model_name_or_path="nowhere/sft", output_dir=str(tmp_path / "rm")))
 
 
@@ -136,6 +135,8 @@ GOOD_ROWS = {"sft": [{"prompt": PROMPT, "completion": " b"}] * 4,
              **{s: [{"prompt": PROMPT, "chosen": " b", "rejected": " c"}] * 4 for s in ("reward", "dpo", "kto")},
              **{s: [{"prompt": PROMPT}] * 4 for s in ONLINE}}
 REWARD = ["tests.toy_rewards:short"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 SCRIPT_ARGS = {**{s: dict(dataset_test_split="") for s in OFFLINE},
                "grpo": dict(reward_model_paths=[], reward_funcs=REWARD, num_generations=2, max_completion_length=4),
                "rloo": dict(reward_model_paths=[], reward_funcs=REWARD, rloo_k=2, max_completion_length=4),
@@ -182,8 +183,12 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     # 4. every prompt longer than the length limit (sft, dpo: above; the online scripts keep a prompt's end)
     ("reward", "too_long", None, dict(max_length=3), "no training pair left: 4 longer than max_length=3"),
     ("kto", "too_long", None, dict(max_length=3), "8 prompt leaves no room under max_length=3"),
-    # 5. conversations, but the tokenizer has no chat template
-    *[(s, "chat", conversational, {}, "conversational .* but the tokenizer has no chat template") for s in SCRIPTS],
+    # 5. conversations, but a tokenizer has no chat template: the error names its role and path
+    *[(s, "chat", conversational, {}, "conversational .* but the " + ("reward model" if s == "reward" else "policy")
+       + "'s tokenizer '.*tiny-pythia' has no chat template") for s in SCRIPTS],
+    *[(s, "rm_chat", conversational, dict(model_name_or_path="<chat_lm>", reward_model_paths=["<one_label>"]),
+       "conversational .* but the reward model 1's tokenizer '.*one_label' has no chat template")
+      for s in ("grpo", "rloo", "online_dpo")],
     # 6. a reward model with two labels (or reward training started from one)
     ("reward", "labels", None, dict(model_name_or_path="<two_labels>"), "is a sequence classifier with 2 labels"),
     *[(s, "labels", None, dict(reward_model_paths=["<two_labels>"]), "is a sequence classifier with 2 labels")
@@ -227,7 +232,16 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("ppo", "causal_rm", None, dict(reward_model_path="<causal_lm>"), "is not a reward model .GPTNeoXForCausalLM"),
     ("grpo", "reward_inf", None, dict(reward_funcs=["tests.toy_rewards:infinite"]),
      "reward function 'infinite' returned inf for completion 0"),
-    # 12. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
+    # 12. a model or tokenizer that does not load: the error names its role and path
+    ("sft", "path", None, dict(model_name_or_path="nowhere/sft"), "could not load the policy's tokenizer 'nowhere/sft'"),
+    ("reward", "path", None, dict(model_name_or_path="nowhere/sft"),
+     "could not load the reward model's tokenizer 'nowhere/sft'"),
+    *[(s, "ref_path", None, dict(ref_model_name_or_path="nowhere/ref"), "could not load the reference 'nowhere/ref'")
+      for s in ("dpo", "kto")],
+    ("grpo", "path", None, dict(reward_model_paths=["<one_label>", "nowhere/rm"]),
+     "could not load the reward model 2's tokenizer 'nowhere/rm'"),
+    ("ppo", "path", None, dict(reward_model_path="nowhere/rm"), "could not load the reward model's tokenizer 'nowhere/rm'"),
+    # 13. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
     *[(s, "penalty_and_correction", None, dict(use_vllm=True, vllm_importance_sampling_cap=2.0, repetition_penalty=1.1),
        "--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the penalty")
       for s in ("grpo", "rloo")],
@@ -236,16 +250,20 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
 
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory, tiny_model):
-    """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself."""
-    from transformers import AutoModelForSequenceClassification
+    """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself;
+    <chat_lm>: the tiny model with a chat template."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     root = tmp_path_factory.mktemp("bad_models")
-    paths = {name: str(root / name) for name in ("two_labels", "one_label")}
+    paths = {name: str(root / name) for name in ("two_labels", "one_label", "chat_lm")}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for name, num_labels in (("two_labels", 2), ("one_label", 1)):
         model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=num_labels)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(paths["chat_lm"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(paths["chat_lm"])
     return {**{f"<{name}>": path for name, path in paths.items()}, "<causal_lm>": tiny_model}
 
 

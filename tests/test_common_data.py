@@ -43,8 +43,9 @@ def test_an_unbuilt_tiny_task_says_how_to_build_it(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "sft.py")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: 'tiny_tldr/tiny-pythia' does not exist; build the tiny task "
-                                                "first (from the project root): python benchmarks/tiny_tldr.py"]
+    assert proc.stderr.strip().splitlines() == ["error: the policy's tokenizer 'tiny_tldr/tiny-pythia' does not exist; "
+                                                "build the tiny task first (from the project root): "
+                                                "python benchmarks/tiny_tldr.py"]
     with pytest.raises(UserError, match="python benchmarks/tiny_tldr.py"):
         load_split("tiny_tldr/missing", "train")  # cwd: the project root (conftest)
 
