@@ -424,7 +424,7 @@ def main(args: Args):
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(prompts[2 * j])[-80:], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
+            tracker.log_samples([{"prompt": prompts[2 * j], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
                                   "margin": float(pairs.flatten()[rows_c[j]] - pairs.flatten()[rows_r[j]])}
                                  for j in range(min(args.num_sample_generations, len(indices)))], step)
         tracker.log(metrics, step)

@@ -245,9 +245,8 @@ def log_samples(model, tokenizer, eval_split, args, tracker, step, accelerator):
         completion_ids = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
                                   args.max_new_tokens, temperature=0.0).completion_ids
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    samples = [{"prompt": str(p), "completion": c, "reference": str(r["completion"] if "completion" in r else
-                                                                  r["messages"][-1] if "messages" in r else r["text"][len(p):])}
-               for p, c, r in zip(prompts, texts, rows)]
+    samples = [{"prompt": p, "completion": c, "reference": r["completion"] if "completion" in r else
+                r["messages"][-1:] if "messages" in r else r["text"][len(p):]} for p, c, r in zip(prompts, texts, rows)]
     tracker.log_samples(samples, step)
 
 

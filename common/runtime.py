@@ -7,7 +7,9 @@ import os
 import signal
 import sys
 
+import datasets
 import torch
+import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -119,6 +121,9 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     set_seed(seed)
+    if not sys.stderr.isatty():  # progress bars (loading, saving, mapping) on a terminal only, as common/tracking.py's
+        transformers.utils.logging.disable_progress_bar()  # the hub's too
+        datasets.disable_progress_bars()
     if (plugin := accelerator.state.deepspeed_plugin) is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = gradient_accumulation_steps  # a json without it: 1

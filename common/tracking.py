@@ -4,10 +4,13 @@ tables of sample completions, all on the main process."""
 import json
 import os
 import re
+import sys
 import time
 
 import torch
 from tqdm.auto import tqdm
+
+from common.data import is_conversational
 
 # the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
 TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
@@ -20,7 +23,9 @@ class Tracker:
         self.main = accelerator.is_main_process
         self.every = max(1, logging_steps)
         self.start = time.time()
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.main, dynamic_ncols=True)
+        # a progress bar on a terminal only: in a log file each redraw is another line (the metric lines still print)
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not (self.main and sys.stderr.isatty()),
+                        dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
@@ -51,9 +56,12 @@ class Tracker:
             self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def log_samples(self, rows: list[dict], step: int, title: str = "samples"):
-        """Print a table of sample completions (dicts with the same keys) and send it to wandb."""
+        """Print a table of sample completions (dicts with the same keys) and send it to wandb; a conversation
+        (a list of {"role", "content"} messages) as `role: content` turns."""
         if not self.main or not rows:
             return
+        rows = [{k: " | ".join(f"{m['role']}: {m['content']}" for m in v) if is_conversational(v) else v
+                 for k, v in row.items()} for row in rows]
         self.bar.write(f"--- {title} at step {step} ---")
         for i, row in enumerate(rows):
             for key, value in row.items():

@@ -1,9 +1,15 @@
 """Bad input to the scripts: one line on stderr naming the problem, exit status 2, no traceback,
 and nothing already saved in the output directory is touched."""
 
+import fcntl
 import importlib
 import json
 import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 import time
 
 import pytest
@@ -11,7 +17,7 @@ from transformers import AutoTokenizer
 
 from algos import dpo, kto, reward, sft
 from common.runtime import UserError
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 
 def write_jsonl(path, rows):
@@ -279,15 +285,31 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
         module.main(module.Args(**kw))
 
 
-def test_an_error_after_the_progress_bar_starts_on_its_own_line(tmp_path, tiny_model):
+def test_progress_bars_on_a_terminal_only_and_an_error_after_one_starts_on_its_own_line(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT}] * 4)
-    proc = run_script("algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", data,
-                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:infinite", "--num_generations", "2",
-                      "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
-                      "--output_dir", str(tmp_path / "out"), check=False)
+    argv = ["algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_model_paths",
+            "--reward_funcs", "tests.toy_rewards:infinite", "--num_generations", "2", "--per_device_train_batch_size",
+            "2", "--max_completion_length", "4", "--max_steps", "1", "--output_dir", str(tmp_path / "out")]
+    proc = run_script(*argv, check=False)  # stderr a pipe, as a log file: no progress bar in it
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "|" in proc.stderr.split("error: ")[0]  # the progress bar was drawn before the error ...
-    assert proc.stderr.count("error: ") == 1 and "\nerror: reward function 'infinite' returned inf" in proc.stderr
+    assert "it/s" not in proc.stderr and "|" not in proc.stderr.split("error: ")[0], proc.stderr[-2000:]
+    master, terminal = pty.openpty()  # stderr a terminal: the bars draw, and the error starts on a line of its own
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns (a new one has 0)
+    run = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=terminal)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the script ended
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    shown = shown.decode(errors="replace")
+    assert run.wait() == 2 and "|" in shown.split("error: ")[0], shown[-2000:]  # a bar drawn before the error ...
+    assert shown.count("error: ") == 1 and "\nerror: reward function 'infinite' returned inf" in shown
 
 
 def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path, tiny_model):
