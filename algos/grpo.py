@@ -76,8 +76,9 @@ class Args:
     """split whose prompts are used"""
     max_prompt_length: int = 512
     """prompt tokens kept (from the end)"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output), each with its own tokenizer"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output sequence classifiers, each with its tokenizer); default: output/reward, but only
+    when no reward function is given (as TRL, functions alone are the whole reward)"""
     reward_funcs: list[str] = field(default_factory=list)
     """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
@@ -235,6 +236,10 @@ class Args:
     """completions per generation batch = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ class Args:
     """split whose prompts are used"""
     max_length: int = 512
     """prompt + completion tokens: prompts lose their start to leave max_new_tokens for the completion"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output) that score each completion"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output sequence classifiers, each with its tokenizer); default: output/reward, but only
+    when no reward function or judge is given (as TRL, functions alone are the whole reward)"""
     reward_funcs: list[str] = field(default_factory=list)
     """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
@@ -193,6 +194,10 @@ class Args:
     """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs or self.judge else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,8 +75,9 @@ class Args:
     """split whose prompts are used"""
     max_prompt_length: int = 512
     """prompt tokens kept (from the end)"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output), each with its own tokenizer"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output sequence classifiers, each with its tokenizer); default: output/reward, but only
+    when no reward function is given (as TRL, functions alone are the whole reward)"""
     reward_funcs: list[str] = field(default_factory=list)
     """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
     **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
@@ -225,6 +226,10 @@ class Args:
     """completions per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size"""
     num_steps: int = 0
     """optimizer steps of the run = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file
 
 from algos import grpo
@@ -118,6 +119,14 @@ def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
                             beta=beta, max_steps=1, per_device_train_batch_size=4, num_generations=2,
                             max_completion_length=4, output_dir=str(tmp_path / f"b{beta}")))
         assert len(loaded) == (1 if beta == 0 else 2)
+
+
+def test_reward_functions_alone_are_the_whole_reward(tmp_path, sft_model):
+    """`--reward_funcs` without `--reward_model_paths` loads no reward model (it used to add output/reward)."""
+    grpo.main(tyro.cli(grpo.Args, args=["--model_name_or_path", sft_model, "--reward_funcs", "tests.toy_rewards:short",
+                                        "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations",
+                                        "2", "--max_completion_length", "4", "--output_dir", str(tmp_path)]))
+    assert [k for k in read_log(str(tmp_path))[0] if k.startswith("rewards/")] == ["rewards/short/mean"]
 
 
 def test_with_every_completion_unscored_the_weights_do_not_move(tmp_path, sft_model):
