@@ -104,15 +104,11 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
                         "conversational (messages)")
 
 
-def _which(tokenizer) -> str:
-    """The tokenizer's role and path (common/models.py's load_tokenizer sets the role)."""
-    return f"the {getattr(tokenizer, 'role', 'policy')}'s tokenizer '{tokenizer.name_or_path}'"
-
-
 def _check_chat_template(tokenizer):
     if not tokenizer.chat_template:
-        raise UserError(f"the dataset is conversational (lists of messages) but {_which(tokenizer)} has no "
-                        "chat template; use a tokenizer with one, or standard (string) data")
+        raise UserError(f"the dataset is conversational (lists of messages) but "
+                        f"{getattr(tokenizer, 'described', 'the tokenizer')} has no chat template; use a tokenizer "
+                        "with one, or standard (string) data")
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -131,8 +127,8 @@ def completion_text(tokenizer, prompt, completion) -> str:
     before = prompt_text(tokenizer, prompt)
     full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full.startswith(before):
-        raise UserError(f"the chat template of {_which(tokenizer)} renders the prompt differently with and without "
-                        "the completion; the completion tokens cannot be separated from the prompt")
+        raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders the prompt "
+                        "differently with and without the completion; its completion tokens cannot be separated")
     return full[len(before):].rstrip()  # the template's trailing newline would follow the EOS
 
 

@@ -1,7 +1,6 @@
 """Padding, sampling completions, cutting them at the stop token, and per-token logprobs."""
 
 import contextlib
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ from common.models import deepspeed_stage
 
 # the key/value cache's name in model calls and outputs: `cache` since transformers 5.2x renamed it (the old name
 # warns there), `past_key_values` before (the floor, 4.56, knows only that)
-CACHE = "cache" if "cache" in inspect.signature(CausalLMOutputWithPast).parameters else "past_key_values"
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,9 +25,9 @@ def load_tokenizer(name_or_path: str, role: str = "policy"):
     here comes from lengths and each completion's first EOS, never from `ids == pad_token_id`. `role`
     (policy, reference, reward model i) names it in errors, here and in common/data.py's."""
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path, f"the {role}'s tokenizer")
-    tokenizer.role = role
+    tokenizer.described = f"the {role}'s tokenizer '{name_or_path}'"
     if tokenizer.eos_token_id is None:
-        raise UserError(f"the {role}'s tokenizer '{name_or_path}' has no eos_token; set one and save it")
+        raise UserError(f"{tokenizer.described} has no eos_token; set one and save it")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

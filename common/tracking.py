@@ -4,7 +4,6 @@ tables of sample completions, all on the main process."""
 import json
 import os
 import re
-import sys
 import time
 
 import torch
@@ -23,9 +22,9 @@ class Tracker:
         self.main = accelerator.is_main_process
         self.every = max(1, logging_steps)
         self.start = time.time()
-        # a progress bar on a terminal only: in a log file each redraw is another line (the metric lines still print)
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not (self.main and sys.stderr.isatty()),
-                        dynamic_ncols=True)
+        # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
+        # lines print either way
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
