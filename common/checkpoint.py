@@ -44,7 +44,8 @@ class Checkpointer:
     def __init__(self, accelerator, scheduler, *, output_dir: str, run_name: str, resume_from: str | None,
                  save_steps: int, save_total_limit: int, skip_nonfinite_steps: bool):
         self.accelerator, self.run_name, self.resume_from = accelerator, run_name, resume_from
-        self.save_steps, self.save_total_limit, self.skip_nonfinite_steps = save_steps, save_total_limit, skip_nonfinite_steps
+        self.save_steps, self.save_total_limit = save_steps, save_total_limit
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.root = os.path.join(output_dir, "checkpoints")
         self.nonfinite = None  # (metric, value) that made this step's update be dropped
         # DeepSpeed steps inside backward(), before `finite` can drop the update (it skips overflows itself)
@@ -52,10 +53,10 @@ class Checkpointer:
         self.skipped_backward = False
         if self.engine is not None and skip_nonfinite_steps:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
-                            "inside backward (skipping by itself those whose gradients overflow); without the flag a "
-                            "non-finite loss is caught before backward, and the run saves the last good weights and stops")
+                            "inside backward (it skips overflowing gradients itself); without the flag a non-finite "
+                            "loss is caught before backward, and the run saves the last good weights and stops")
         if not resume_from and accelerator.is_main_process:
-            shutil.rmtree(self.root, ignore_errors=True)  # another run's (check_output_dir asked for --overwrite_output_dir)
+            shutil.rmtree(self.root, ignore_errors=True)  # another run's (so --overwrite_output_dir was given)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
     def saved(self) -> list[str]:
@@ -140,7 +141,7 @@ class Checkpointer:
         applied = nonfinite and self.engine is not None and not self.skipped_backward and self.engine.was_step_applied()
         self.skipped_backward = False
         if nonfinite and self.skip_nonfinite_steps:
-            acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); update skipped (--skip_nonfinite_steps)")
+            acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); step skipped (--skip_nonfinite_steps)")
             nonfinite = None
         if applied:
             newest = self.saved()[-1] if self.saved() else None

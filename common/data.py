@@ -61,8 +61,8 @@ def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -
         if all(c in dataset.column_names for c in columns):
             check_text_fields(dataset, [c for c in columns if c != "label"], where)
             return fmt
-    accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {', '.join(c for c in cols if c not in dataset.column_names)})"
-                         for fmt, cols in formats.items())
+    missing = {fmt: ", ".join(c for c in cols if c not in dataset.column_names) for fmt, cols in formats.items()}
+    accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {missing[fmt]})" for fmt, cols in formats.items())
     raise UserError(f"{where} has columns [{', '.join(dataset.column_names)}], which fit no accepted "
                     f"format: {accepted}")
 

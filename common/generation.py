@@ -230,8 +230,8 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
     position_ids = real_positions(attention_mask)
     cache = shared_prefix_cache(model, input_ids, attention_mask, start if share_prefix else 0, logits_to_keep=1)
     if cache is not None:
-        return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
-                     use_cache=True, **{CACHE: cache}).logits[:, :-1]
+        return model(input_ids=input_ids[:, start:], attention_mask=attention_mask,
+                     position_ids=position_ids[:, start:], use_cache=True, **{CACHE: cache}).logits[:, :-1]
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                  logits_to_keep=input_ids.shape[1] - start).logits[:, :-1]
 

@@ -36,8 +36,8 @@ def load_tokenizer(name_or_path: str, role: str = "policy"):
 
 def _load_model(cls, name_or_path: str, tokenizer, dtype: str, role: str, **kwargs):
     """The model in `dtype` (auto: the checkpoint's), the tokenizer's pad id in its (generation) config."""
-    model = _from_pretrained(cls, name_or_path, f"the {role}", dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-                             **kwargs)
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = _from_pretrained(cls, name_or_path, f"the {role}", dtype=dtype, **kwargs)
     for config in (model.config, getattr(model, "generation_config", None)):
         if config is not None:
             config.pad_token_id = tokenizer.pad_token_id
@@ -60,9 +60,10 @@ def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_hea
                         "reward model has one output (its logit is the reward); use a one-label classifier such as "
                         "reward.py saves, or start reward.py from a causal LM (it adds a one-output head)")
     if not classifier and not new_head:
-        raise UserError(f"the {role} '{name_or_path}' is not a reward model ("
-                        f"{', '.join(config.architectures or ['no architecture'])}, not a sequence classifier): its "
-                        "score head would be random; train one with reward.py, or pass a reward function with --reward_funcs")
+        architectures = ", ".join(config.architectures or ["no architecture"])
+        raise UserError(f"the {role} '{name_or_path}' is not a reward model ({architectures}, not a sequence "
+                        "classifier): its score head would be random; train one with reward.py, or pass a reward "
+                        "function with --reward_funcs")
     return _load_model(AutoModelForSequenceClassification, name_or_path, tokenizer, dtype, role, num_labels=1)
 
 
@@ -70,7 +71,7 @@ def hint_learning_rate(accelerator, model, learning_rate: float, default: float)
     """One line when a real model meets the tiny task's default rate (real models want 10-1000x smaller)."""
     if learning_rate == default and model.num_parameters() > 10_000_000:
         accelerator.print(f"hint: --learning_rate {default} is the tiny task's default; for a model of "
-                          f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\" for learning rates")
+                          f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\"")
 
 
 def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = None, no_dropout: bool = False,

@@ -113,8 +113,9 @@ def compute_rewards(sources, weights, prompts: list, completions: list, columns:
                             "it must return a list with one float (or None) per completion") from None
         if per_source[name].isinf().any():
             i = int(per_source[name].isinf().nonzero()[0])
-            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} ({str(completions[i])[:40]!r}); "
-                            "rewards must be finite (return None to leave a completion unscored)")
+            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} "
+                            f"({str(completions[i])[:40]!r}); rewards must be finite (return None to leave a "
+                            "completion unscored)")
     # a source of weight 0 is logged (rewards/<name>/mean) but not optimised: an oracle to watch
     counted = [(values, w) for values, w in zip(per_source.values(), weights) if w != 0]
     weighted = torch.stack([values for values, _ in counted], dim=1) * torch.tensor([w for _, w in counted])

@@ -101,13 +101,15 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
     # lets a launcher's value (a yaml's deepspeed_config.gradient_accumulation_steps, `accelerate launch
     # --gradient_accumulation_steps`) or a DeepSpeed json's replace it, with only a warning in its log
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    for where, value in (("the accelerate launch config (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config "
-                          "or --gradient_accumulation_steps)", os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")),
+    launcher = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    for where, value in (("the accelerate launch config (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its "
+                          "deepspeed_config or --gradient_accumulation_steps)", launcher),
                          (f"the DeepSpeed config {ds_file}",
                           ds_file != "none" and json.load(open(ds_file)).get("gradient_accumulation_steps"))):
         if value not in (None, False, "auto") and int(value) != gradient_accumulation_steps:
-            raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says {value}; "
-                            "the script accumulates by its flag: remove the value from the config or make the two equal")
+            raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says "
+                            f"{value}; the script accumulates by its flag: remove the value from the config or make "
+                            "the two equal")
     # DeepSpeed without CUDA (ZeRO on a CPU, as the tests do): accelerate leaves the backend unset, and
     # every process would believe it is alone
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()

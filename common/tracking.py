@@ -17,7 +17,8 @@ TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
 
 class Tracker:
     def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
-                 total_steps: int, start_step: int = 0, wandb_project: str | None = None, wandb_entity: str | None = None):
+                 total_steps: int, start_step: int = 0, wandb_project: str | None = None,
+                 wandb_entity: str | None = None):
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
         self.main = accelerator.is_main_process
         self.every = max(1, logging_steps)

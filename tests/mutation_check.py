@@ -122,7 +122,8 @@ MUTATIONS = [
      "torch.cat([c[k] for keep, c in pool])",
      "grpo: dynamic sampling keeps the constant groups",
      ["tests/test_grpo.py::test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds"]),
-    ("algos/rloo.py", "per_token, clipped = -torch.clamp(ratio, max=1 + cliprange).detach() * a * logps, ratio > 1 + cliprange",
+    ("algos/rloo.py",
+     "per_token, clipped = -torch.clamp(ratio, max=1 + cliprange).detach() * a * logps, ratio > 1 + cliprange",
      "per_token, clipped = -torch.clamp(ratio, max=1 + cliprange) * a * logps, ratio > 1 + cliprange",
      "rloo: cispo's importance weight without the stop-gradient",
      ["tests/test_rloo.py::test_cispo_hand_worked_value_and_gradient"]),
@@ -174,7 +175,8 @@ def check(only: list[int] | None = None) -> list[dict]:
         baseline = sorted({t for _, m in chosen for t in m[4]})
         code, output, seconds = run_tests(where, baseline)
         if code != 0:
-            raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves nothing:\n{output[-3000:]}")
+            raise SystemExit(f"the tests fail on the unchanged project, so a mutation proves "
+                             f"nothing:\n{output[-3000:]}")
         print(f"unchanged project: {len(baseline)} tests pass ({seconds:.0f} s)", flush=True)
         for i, (path, text, replacement, bug, tests) in chosen:
             file = os.path.join(where, path)

@@ -28,7 +28,8 @@ def write_jsonl(path, rows):
 def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path, sft_model):
     before = {f: os.path.getmtime(os.path.join(sft_model, f)) for f in os.listdir(sft_model)}
     bad = write_jsonl(tmp_path / "cols.jsonl", [{"prompt": "a", "answer": "b"}])
-    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, "--overwrite_output_dir", check=False)
+    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, "--overwrite_output_dir",
+                      check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -61,7 +62,8 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("rows,message", [
-    ([{"prompt": "a", "chosen": "b"}], r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected: missing rejected\)"),
+    ([{"prompt": "a", "chosen": "b"}],
+     r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected: missing rejected\)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " b"}] * 3, "no training pair left"),
 ])
 def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
@@ -81,7 +83,8 @@ def test_reward_without_an_sft_model_says_so(tmp_path):
       {"prompt": "a " * 40, "chosen": " b", "rejected": " c"}], {},
      "no pair of split 'train' is left to train on: 1 chosen == rejected, 1 empty completion, "
      "1 prompt leaves no room under max_length=32"),
-    ([{"chosen": "red", "rejected": "blue"}], {}, "left to train on: 1 without a prompt column, chosen and rejected share"),
+    ([{"chosen": "red", "rejected": "blue"}], {},
+     "left to train on: 1 without a prompt column, chosen and rejected share"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"precompute_ref_logps": True, "sync_ref_model": True},
      "exclude each other"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"loss_type": "robust", "label_smoothing": 0.5},
@@ -239,14 +242,16 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("grpo", "reward_inf", None, dict(reward_funcs=["tests.toy_rewards:infinite"]),
      "reward function 'infinite' returned inf for completion 0"),
     # 12. a model or tokenizer that does not load: the error names its role and path
-    ("sft", "path", None, dict(model_name_or_path="nowhere/sft"), "could not load the policy's tokenizer 'nowhere/sft'"),
+    ("sft", "path", None, dict(model_name_or_path="nowhere/sft"),
+     "could not load the policy's tokenizer 'nowhere/sft'"),
     ("reward", "path", None, dict(model_name_or_path="nowhere/sft"),
      "could not load the reward model's tokenizer 'nowhere/sft'"),
     *[(s, "ref_path", None, dict(ref_model_name_or_path="nowhere/ref"), "could not load the reference 'nowhere/ref'")
       for s in ("dpo", "kto")],
     ("grpo", "path", None, dict(reward_model_paths=["<one_label>", "nowhere/rm"]),
      "could not load the reward model 2's tokenizer 'nowhere/rm'"),
-    ("ppo", "path", None, dict(reward_model_path="nowhere/rm"), "could not load the reward model's tokenizer 'nowhere/rm'"),
+    ("ppo", "path", None, dict(reward_model_path="nowhere/rm"),
+     "could not load the reward model's tokenizer 'nowhere/rm'"),
     # 13. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
     *[(s, "penalty_and_correction", None, dict(use_vllm=True, vllm_importance_sampling_cap=2.0, repetition_penalty=1.1),
        "--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the penalty")
@@ -279,7 +284,7 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
     data = write_jsonl(tmp_path / "d.jsonl", (rows or (lambda r: r))(GOOD_ROWS[script]))
     kw = {**dict(model_name_or_path=tiny_model, dataset_name=data, max_steps=1, per_device_train_batch_size=2,
                  output_dir=str(tmp_path / "out")), **SCRIPT_ARGS[script], **kw}
-    fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # "<two_labels>" -> its path
+    fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # noqa: E731 "<two_labels>" -> its path
     kw = {k: [fill(x) for x in v] if isinstance(v, list) else fill(v) for k, v in kw.items()}
     with pytest.raises(UserError, match=message):
         module.main(module.Args(**kw))
@@ -331,11 +336,13 @@ def test_accumulation_given_twice_is_refused_before_the_accelerator_starts(tmp_p
     flags = dict(seed=1, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_grad_norm=1.0)
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
     with pytest.raises(UserError, match=r"^--gradient_accumulation_steps is 2 but the accelerate launch config "
-                                        r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, .*\) says 1; the script accumulates"):
+                                        r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, .*\) says 1; the script "
+                                        r"accumulates"):
         setup(**flags)
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")  # equal: fine
     (tmp_path / "ds.json").write_text('{"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}')
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
-    with pytest.raises(UserError, match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
+    with pytest.raises(UserError,
+                       match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
                                         "says 4; the script accumulates by its flag: remove the value"):
         setup(**flags)

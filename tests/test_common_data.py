@@ -77,10 +77,12 @@ def test_empty_split_is_an_error(tmp_path):
 
 def test_check_columns_picks_a_format_or_lists_them():
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
-    assert check_columns(Dataset.from_dict({"messages": [[{"role": "user", "content": "a"}]]}), formats, "d") == "messages"
+    messages = Dataset.from_dict({"messages": [[{"role": "user", "content": "a"}]]})
+    assert check_columns(messages, formats, "d") == "messages"
     with pytest.raises(UserError) as e:
         check_columns(Dataset.from_dict({"prompt": ["x"], "answer": ["y"]}), formats, "dataset 'd'")
-    assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion: missing completion)" in str(e.value)
+    assert "[prompt, answer]" in str(e.value)
+    assert "prompt-completion (prompt, completion: missing completion)" in str(e.value)
 
 
 def test_completion_ends_in_exactly_one_eos(tokenizer):
@@ -98,7 +100,8 @@ def test_bos_is_not_doubled(tokenizer):
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
     prompt, completion = encode_prompt(tokenizer, "TITLE: x"), encode_completion(tokenizer, "TITLE: x", " y")
-    assert prompt[0] == bos and (prompt + completion).count(bos) == 1 + completion.count(bos) and bos not in completion[:-1]
+    assert prompt[0] == bos and bos not in completion[:-1]
+    assert (prompt + completion).count(bos) == 1 + completion.count(bos)
     # a chat template writes its own BOS: tokenizing the rendered text must not add a second one
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])

@@ -112,7 +112,8 @@ def test_reward_model_reads_prompt_completion_eos_left_truncated(tiny_model, tok
     with torch.no_grad():
         direct = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         cut = model(input_ids=torch.tensor([ids[-5:]])).logits[0, 0].item()
-    assert score_with_model(model, tokenizer, [prompt, "x"], [completion, " y"]).tolist()[0] == pytest.approx(direct, abs=1e-5)
+    scores = score_with_model(model, tokenizer, [prompt, "x"], [completion, " y"])
+    assert scores.tolist()[0] == pytest.approx(direct, abs=1e-5)
     tokenizer.model_max_length = 5  # the start of the prompt is dropped, the completion kept
     assert score_with_model(model, tokenizer, [prompt], [completion]).item() == pytest.approx(cut, abs=1e-5)
 
