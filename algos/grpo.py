@@ -581,8 +581,8 @@ def main(args: Args):
                 v = accelerator.gather(torch.stack([d[k] for d in corrections]))
                 metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
             if step % args.eval_steps == 0 or step == 1:
-                tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward
-                                     in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
+                tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
+                                     zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
             tracker.log(metrics, step)
             if step % args.num_iterations == 0:  # the next step samples a new rollout
                 rollout = None

@@ -525,8 +525,8 @@ def main(args: Args):
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": p, "response": t, "score": s}
-                                 for p, t, s in zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples([{"prompt": p, "response": t, "score": s} for p, t, s in
+                                 zip(batch_prompts, texts, local_scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
