@@ -22,19 +22,17 @@ def load_split(name: str, split: str) -> Dataset:
     """A split of a hub dataset, a local dataset folder (`save_to_disk`, or data files named by split)
     or one .json/.jsonl/.parquet/.csv file (split "train")."""
     check_built(name, "dataset")
+    builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
+    if os.path.isfile(name) and builder is None:
+        raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
     try:
         if os.path.isfile(name):
-            builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
-            if builder is None:
-                raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
             splits = load_dataset(builder, data_files={"train": name})
         elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
                                          for f in ("dataset_dict.json", "dataset_info.json")):
             splits = load_from_disk(name)
         else:
             splits = load_dataset(name)
-    except UserError:
-        raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types
         first_line = (str(e).splitlines() or [""])[0]
         # how `datasets` reports empty data files: "... corresponds to no data", or (all json) StopIteration
