@@ -32,6 +32,7 @@ import gc
 import math
 import os
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
@@ -57,21 +59,25 @@ LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard",
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/dpo"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    # algorithm: the preference loss and its variants (module docstring)
+    loss_type: LossType = "sigmoid"
+    """preference loss (see the module docstring)"""
+    beta: float = 0.1
+    """strength of the KL regularisation to the reference (SimPO: reward scale, try 2.0)"""
+    label_smoothing: float = 0.0
+    """assumed probability that a label is flipped (cDPO for sigmoid/simpo, robust DPO for robust)"""
+    simpo_gamma: float = 0.5
+    """SimPO target reward margin gamma"""
+    rpo_alpha: float = 0.0
+    """weight of the chosen completions' NLL added to the loss (RPO; 0 disables)"""
+    reference_free: bool = False
+    """treat the reference as uniform (log pi_ref = 0); simpo always is"""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps, ref <- alpha * policy + (1 - alpha) * ref"""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO mixing weight alpha (1.0 copies the policy)"""
+    ref_model_sync_steps: int = 64
+    """TR-DPO: optimizer steps between reference updates"""
 
     # model and data
     model_name_or_path: str = "output/sft"
@@ -92,28 +98,6 @@ class Args:
     max_length: int = 512
     """prompt + completion tokens; longer completions lose their end"""
 
-    # algorithm
-    loss_type: LossType = "sigmoid"
-    """preference loss (see the module docstring)"""
-    beta: float = 0.1
-    """strength of the KL regularisation to the reference (SimPO: reward scale, try 2.0)"""
-    label_smoothing: float = 0.0
-    """assumed probability that a label is flipped (cDPO for sigmoid/simpo, robust DPO for robust)"""
-    simpo_gamma: float = 0.5
-    """SimPO target reward margin gamma"""
-    rpo_alpha: float = 0.0
-    """weight of the chosen completions' NLL added to the loss (RPO; 0 disables)"""
-    reference_free: bool = False
-    """treat the reference as uniform (log pi_ref = 0); simpo always is"""
-    precompute_ref_logps: bool = False
-    """compute the reference logprobs once before training and free the reference model"""
-    sync_ref_model: bool = False
-    """TR-DPO: every ref_model_sync_steps, ref <- alpha * policy + (1 - alpha) * ref"""
-    ref_model_mixup_alpha: float = 0.6
-    """TR-DPO mixing weight alpha (1.0 copies the policy)"""
-    ref_model_sync_steps: int = 64
-    """TR-DPO: optimizer steps between reference updates"""
-
     # optimization
     learning_rate: float = 3e-5
     """peak learning rate of AdamW"""
@@ -133,33 +117,28 @@ class Args:
     """preference pairs per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    per_device_eval_batch_size: int = 32
-    """pairs per eval batch per process"""
-
-    # evaluation
-    eval_steps: int = 100
-    """evaluate every this many optimizer steps (and at the end)"""
-    num_sample_generations: int = 4
-    """greedy completions of eval prompts printed at each evaluation"""
-    max_new_tokens: int = 48
-    """token budget of generated samples"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/dpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
 
     # memory, precision and LoRA
+    precompute_ref_logps: bool = False
+    """compute the reference logprobs once before training and free the reference model"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
@@ -180,11 +159,31 @@ class Args:
     """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
     exact, not noisy (as TRL)"""
 
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    per_device_eval_batch_size: int = 32
+    """pairs per eval batch per process"""
+    num_sample_generations: int = 4
+    """greedy completions of eval prompts printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     total_batch_size: int = 0
-    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
@@ -361,7 +360,7 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.reference_free and not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
 
     @torch.no_grad()
     def reference_logps(examples):

@@ -9,13 +9,11 @@ the reward relative to the group as the advantage of every token:
     sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_i, tau = tau_pos if A_i > 0 else tau_neg   (Gao et al. 2025)
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
-A completion no reward source scores (reward None / NaN) is left out of its group's mean and std,
-gets A_i = 0 and stays out of the loss: an unknown reward is not a reward of 0.
-Variants: clip-higher eps_high and token-level normalisation over the whole batch (DAPO, Yu et al.
-2025); no std scaling and a constant normaliser (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-
-Like Training"); a sequence-level ratio, the geometric mean of the token ratios (GSPO, Zheng et al.
-2025). Scaling the rewards by the batch std instead of the group std follows REINFORCE++ (Hu 2025);
-the reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
+A completion no reward source scores (None / NaN: unknown, not 0) is left out of its group's mean and std and the loss.
+Variants: clip-higher eps_high and token-level normalisation over the whole batch (DAPO, Yu et al. 2025); no std scaling
+and a constant normaliser (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training"); a sequence-level ratio,
+the geometric mean of the token ratios (GSPO, Zheng et al. 2025); batch-std scaling (REINFORCE++, Hu 2025). The
+reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
 CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
 Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
 
@@ -25,7 +23,9 @@ Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang
 """
 
 import math
+import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
@@ -47,21 +48,42 @@ from common.vllm import VLLMSampler
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/grpo"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    # algorithm: group-relative advantages, the clipped loss and its variants (module docstring)
+    num_generations: int = 8
+    """G, completions sampled per prompt"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
+    """token loss and normaliser: grpo (per sequence, then batch), bnpo (local batch tokens), dr_grpo (batch x
+    max_completion_length), dapo (tokens of the whole global accumulated batch); cispo (as dapo), sapo (as grpo)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
+    beta: float = 0.04
+    """weight of the k3 KL to the reference (0 loads no reference model)"""
+    epsilon: float = 0.2
+    """lower clip range of the ratio"""
+    epsilon_high: float | None = None
+    """upper clip range (DAPO clip-higher; default: epsilon); cispo: weight cap 1 + epsilon_high (TRL's 5.0 is 4.0)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each generation batch (> 1 clips against the sampling-time logprobs)"""
+    mask_truncated_completions: bool = False
+    """leave completions that did not stop out of the loss (DAPO)"""
+    top_entropy_quantile: float = 1.0
+    """rho: the policy gradient only on each micro-batch's top-rho entropy tokens (1: all; Wang et al. 2025: 0.2)"""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau_pos for positive advantages (Gao et al. 2025)"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+    overlong_buffer_length: int = 0
+    """C: DAPO soft overlong punishment over the last C tokens before max_completion_length (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong punishment of a completion that reaches max_completion_length"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
+    max_dynamic_sampling_rounds: int = 10
+    """generation batches sampled at most per rollout; then constant groups fill what is missing"""
 
     # model, data and rewards
     model_name_or_path: str = "output/sft"
@@ -72,19 +94,14 @@ class Args:
     """split whose prompts are used"""
     max_prompt_length: int = 512
     """prompt tokens kept (from the end)"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output), each with its own tokenizer"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output classifiers, each with its tokenizer; default output/reward without --reward_funcs)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
-    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
+    """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
-    """weight of each reward (models first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+    """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
 
     # sampling
-    num_generations: int = 8
-    """G, completions sampled per prompt"""
     max_completion_length: int = 48
     """tokens sampled per completion"""
     temperature: float = 1.0
@@ -97,39 +114,6 @@ class Args:
     """min-p sampling (0 disables); training logprobs too, as top_p"""
     repetition_penalty: float = 1.0
     """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
-
-    # algorithm
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    """token loss and normaliser: grpo (per sequence, then batch), bnpo (local batch tokens), dr_grpo (batch x
-    max_completion_length), dapo (tokens of the whole global accumulated batch); cispo (as dapo), sapo (as grpo)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
-    beta: float = 0.04
-    """weight of the k3 KL to the reference (0 loads no reference model)"""
-    epsilon: float = 0.2
-    """lower clip range of the ratio"""
-    epsilon_high: float | None = None
-    """upper clip range (DAPO clip-higher; default: epsilon); cispo: weight cap 1 + epsilon_high (TRL's cap 5.0 is 4.0)"""
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature tau_pos for positive advantages (Gao et al. 2025)"""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
-    top_entropy_quantile: float = 1.0
-    """rho: only each micro-batch's top-rho entropy loss tokens carry the policy gradient (1: all; Wang et al. 2025: 0.2)"""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
-    num_iterations: int = 1
-    """mu: optimizer passes over each generation batch (> 1 clips against the sampling-time logprobs)"""
-    mask_truncated_completions: bool = False
-    """leave completions that did not stop out of the loss (DAPO)"""
-    overlong_buffer_length: int = 0
-    """C: DAPO soft overlong punishment over the last C tokens before max_completion_length (0: off)"""
-    overlong_penalty_factor: float = 1.0
-    """the overlong punishment of a completion that reaches max_completion_length"""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
-    max_dynamic_sampling_rounds: int = 10
-    """generation batches sampled at most per rollout; then constant groups fill what is missing"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -148,49 +132,24 @@ class Args:
     """completions per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-
-    # evaluation
-    num_sample_generations: int = 4
-    """completions shown in the samples table every eval_steps"""
-    eval_steps: int = 50
-    """print a table of sampled completions with their rewards every this many steps"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/grpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -212,7 +171,7 @@ class Args:
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
     vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -220,9 +179,47 @@ class Args:
     vllm_importance_sampling_cap: float | None = None
     """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
     vllm_importance_sampling_clip_min: float = 0.0
     """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
+
+    # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights to sample (off: sharded, slower, for models too large to gather)"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
+
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 50
+    """print a table of sampled completions with their rewards every this many steps"""
+    num_sample_generations: int = 4
+    """completions shown in the samples table every eval_steps"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -231,6 +228,10 @@ class Args:
     """completions per generation batch = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,8 +590,8 @@ def main(args: Args):
             v = accelerator.gather(torch.stack([d[k] for d in corrections]))
             metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "reward": reward} for p, t, reward
-                                 in zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
+                                 zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         if step % args.num_iterations == 0:  # the next step samples a new rollout
             rollout = None

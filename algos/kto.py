@@ -23,6 +23,7 @@ and detached (section 4.1: it only sets the reference point, no gradient flows t
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from collections import Counter
@@ -33,8 +34,10 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
-from common.data import NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split, split_implicit_prompt
+from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
+                         split_implicit_prompt)
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
@@ -43,21 +46,15 @@ from common.tracking import Tracker, reduce_stats
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/kto"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    # algorithm: the KTO loss (module docstring)
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """KTO with the KL reference point, or APO-zero for unpaired data (no reference point)"""
+    beta: float = 0.1
+    """strength of the KL regularisation to the reference"""
+    desirable_weight: float = 1.0
+    """lambda_D, weight of the desirable completions' losses"""
+    undesirable_weight: float = 1.0
+    """lambda_U, weight of the undesirable completions' losses"""
 
     # model and data
     model_name_or_path: str = "output/sft"
@@ -78,16 +75,6 @@ class Args:
     max_length: int = 512
     """prompt + completion tokens; longer completions lose their end"""
 
-    # algorithm
-    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
-    """KTO with the KL reference point, or APO-zero for unpaired data (no reference point)"""
-    beta: float = 0.1
-    """strength of the KL regularisation to the reference"""
-    desirable_weight: float = 1.0
-    """lambda_D, weight of the desirable completions' losses"""
-    undesirable_weight: float = 1.0
-    """lambda_U, weight of the undesirable completions' losses"""
-
     # optimization
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
@@ -107,27 +94,20 @@ class Args:
     """labelled completions per micro-batch per process (>= 2: the KL pairs mismatch rows of a batch)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    per_device_eval_batch_size: int = 32
-    """completions per eval batch per process"""
-
-    # evaluation
-    eval_steps: int = 100
-    """evaluate every this many optimizer steps (and at the end)"""
-    num_sample_generations: int = 4
-    """greedy completions of eval prompts printed at each evaluation"""
-    max_new_tokens: int = 48
-    """token budget of generated samples"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/kto"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
@@ -154,11 +134,32 @@ class Args:
     """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
     exact, not noisy (as TRL)"""
 
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    per_device_eval_batch_size: int = 32
+    """completions per eval batch per process"""
+    num_sample_generations: int = 4
+    """greedy completions of eval prompts printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     total_batch_size: int = 0
-    """completions per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    """completions per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x
+    world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
@@ -341,7 +342,7 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)

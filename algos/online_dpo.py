@@ -21,6 +21,7 @@ not stop lose `missing_eos_penalty` before the ranking.
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
@@ -43,21 +45,13 @@ from common.vllm import VLLMSampler
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/online_dpo"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    # algorithm: the DPO loss on pairs the policy samples (module docstring)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO loss on the sampled pair"""
+    beta: list[float] = field(default_factory=lambda: [0.1])
+    """KL strength; a list gives one value per epoch (the last one is kept afterwards)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of completions that did not stop (N+ detail: the EOS trick)"""
 
     # model, data and ranking
     model_name_or_path: str = "output/sft"
@@ -68,30 +62,21 @@ class Args:
     """split whose prompts are used"""
     max_length: int = 512
     """prompt + completion tokens: prompts lose their start to leave max_new_tokens for the completion"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output) that score each completion"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output classifiers; default output/reward when neither --reward_funcs nor --judge is given)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
-    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
+    """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
-    """weight of each reward (models first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
     judge: str | None = None
     """pairwise judge `module:function(prompts, completion_pairs) -> list[int]` (index of the better
     completion); replaces the rewards"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the score of completions that did not stop (N+ detail: the EOS trick)"""
 
     # sampling
     max_new_tokens: int = 48
     """tokens sampled per completion"""
     temperature: float = 0.9
     """sampling temperature (the DPO loss itself uses the policy's logprobs at temperature 1)"""
-
-    # algorithm
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """DPO loss on the sampled pair"""
-    beta: list[float] = field(default_factory=lambda: [0.1])
-    """KL strength; a list gives one value per epoch (the last one is kept afterwards)"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -110,50 +95,24 @@ class Args:
     """prompts per micro-batch per process (two completions each)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-
-    # evaluation
-    num_sample_generations: int = 4
-    """pairs shown in the samples table every eval_steps"""
-    eval_steps: int = 50
-    """print a table of sampled pairs with their scores every this many steps"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/online_dpo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
-    exact, not noisy (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -175,7 +134,7 @@ class Args:
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
     vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -183,13 +142,56 @@ class Args:
     # no --vllm_importance_sampling_* (grpo, rloo, ppo have them): the DPO loss is a preference loss on the sampled
     # pairs, not an importance-weighted estimate under pi, so no ratio pi_train / pi_vllm enters it (README)
 
+    # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights to sample (off: sharded, slower, for models too large to gather)"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
+    exact, not noisy (as TRL)"""
+
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 50
+    """print a table of sampled pairs with their scores every this many steps"""
+    num_sample_generations: int = 4
+    """pairs shown in the samples table every eval_steps"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     total_batch_size: int = 0
-    """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs or self.judge else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def main(args: Args):
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(prompts[2 * j])[-80:], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
+            tracker.log_samples([{"prompt": prompts[2 * j], "chosen": texts[rows_c[j]], "rejected": texts[rows_r[j]],
                                   "margin": float(pairs.flatten()[rows_c[j]] - pairs.flatten()[rows_r[j]])}
                                  for j in range(min(args.num_sample_generations, len(indices)))], step)
         tracker.log(metrics, step)

@@ -21,6 +21,7 @@ N+ details are marked `N+ detail` where they are implemented.
 import contextlib
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,9 +31,11 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, real_positions, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
+from common.generation import (generate, real_positions, shifted_logits, token_entropy, token_logprobs,
+                               unwrapped_for_generation)
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
@@ -43,54 +46,7 @@ from common.vllm import VLLMSampler
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/ppo"
-    """where the policy, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many rollouts (all go to the JSONL file)"""
-
-    # models and data
-    model_name_or_path: str = "output/sft"
-    """policy to start from (the SFT model), also the frozen reference"""
-    reward_model_path: str = "output/reward"
-    """frozen reward model; the value model starts as a copy of it (N+ detail)"""
-    reward_funcs: list[str] = field(default_factory=list)
-    """extra reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
-    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
-    reward_weights: list[float] | None = None
-    """weight of each reward (the reward model first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
-    dataset_name: str = "tiny_tldr/tldr"
-    """data with a prompt column (standard or conversational)"""
-    dataset_train_split: str = "train"
-    """split whose prompts are used"""
-    max_prompt_length: int = 512
-    """prompt tokens kept (from the end)"""
-
-    # rollout
-    response_length: int = 48
-    """tokens sampled per response"""
-    temperature: float = 0.7
-    """sampling temperature; training logits are divided by it too (N+ detail)"""
-    stop_token: Literal["eos", "none"] = "eos"
-    """truncate responses after the first EOS and pad the rest (N+ detail), or keep all tokens"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the score of responses without EOS (the EOS trick, N+ detail)"""
-    penalty_reward_value: float | None = None
-    """replaces the score of responses without EOS (the original EOS trick; overrides missing_eos_penalty)"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per no-grad forward pass during the rollout"""
-
-    # algorithm
+    # algorithm: KL-shaped per-token rewards, GAE, the clipped policy and value losses (module docstring)
     kl_coef: float = 0.05
     """weight of the per-token KL penalty in the reward"""
     kl_estimator: Literal["k1", "k3"] = "k1"
@@ -111,6 +67,34 @@ class Args:
     """passes over each rollout batch"""
     num_mini_batches: int = 1
     """optimizer steps per pass"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses without EOS (the EOS trick, N+ detail)"""
+    penalty_reward_value: float | None = None
+    """replaces the score of responses without EOS (the original EOS trick; overrides missing_eos_penalty)"""
+
+    # models, data and rewards
+    model_name_or_path: str = "output/sft"
+    """policy to start from (the SFT model), also the frozen reference"""
+    dataset_name: str = "tiny_tldr/tldr"
+    """data with a prompt column (standard or conversational)"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_prompt_length: int = 512
+    """prompt tokens kept (from the end)"""
+    reward_model_path: str = "output/reward"
+    """frozen reward model; the value model starts as a copy of it (N+ detail)"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """extra reward functions `module:function` called as TRL does (None or NaN: not scored; common/rewards.py)"""
+    reward_weights: list[float] | None = None
+    """weight of each reward, the reward model first (default all 1; 0: logged, not optimised)"""
+
+    # sampling
+    response_length: int = 48
+    """tokens sampled per response"""
+    temperature: float = 0.7
+    """sampling temperature; training logits are divided by it too (N+ detail)"""
+    stop_token: Literal["eos", "none"] = "eos"
+    """truncate responses after the first EOS and pad the rest (N+ detail), or keep all tokens"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -125,50 +109,24 @@ class Args:
     """responses per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-
-    # evaluation
-    num_sample_generations: int = 4
-    """responses shown in the samples table every eval_steps"""
-    eval_steps: int = 25
-    """print a table of sampled responses with their scores every this many rollouts"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/ppo"
+    """where the policy, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many rollouts (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many rollouts (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are
-    then exact, and the first pass's ratio is 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -190,7 +148,7 @@ class Args:
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
     vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -198,15 +156,57 @@ class Args:
     vllm_importance_sampling_cap: float | None = None
     """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
     vllm_importance_sampling_clip_min: float = 0.0
     """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
+
+    # memory, precision and LoRA
+    local_rollout_forward_batch_size: int = 64
+    """rows per no-grad forward pass during the rollout"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights to sample (off: sharded, slower, for models too large to gather)"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are
+    then exact, and the first pass's ratio is 1 (as TRL)"""
+
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many rollouts (all go to the JSONL file)"""
+    eval_steps: int = 25
+    """print a table of sampled responses with their scores every this many rollouts"""
+    num_sample_generations: int = 4
+    """responses shown in the samples table every eval_steps"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     rollout_batch_size: int = 0
-    """responses per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size"""
+    """responses per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x
+    world_size"""
     num_steps: int = 0
     """optimizer steps = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
 
@@ -371,7 +371,7 @@ def main(args: Args):
                    gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, policy, args.learning_rate, Args.learning_rate)
     # N+ detail: the value model is initialised from the reward model (a separate network)
-    reward_tokenizer = load_tokenizer(args.reward_model_path)
+    reward_tokenizer = load_tokenizer(args.reward_model_path, role="reward model")
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
     value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype),
@@ -543,8 +543,8 @@ def main(args: Args):
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(p)[-80:], "response": t, "score": s}
-                                 for p, t, s in zip(batch_prompts, texts, mine.scores.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples([{"prompt": p, "response": t, "score": s} for p, t, s in
+                                 zip(batch_prompts, texts, mine.scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

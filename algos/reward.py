@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import random
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
-from common.data import NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split, split_implicit_prompt
+from common.data import (NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split,
+                         split_implicit_prompt)
 from common.generation import pad, unwrapped_for_generation
 from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
@@ -38,21 +41,9 @@ from common.tracking import Tracker, reduce_stats
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/reward"
-    """where the reward model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    # algorithm: the Bradley-Terry loss (module docstring)
+    center_rewards_coefficient: float = 0.0
+    """weight of the mean squared reward, which keeps rewards centered on 0 (0 disables)"""
 
     # model and data
     model_name_or_path: str = "output/sft"
@@ -66,10 +57,6 @@ class Args:
     """split for eval accuracy ("" to skip evaluation)"""
     max_length: int = 512
     """prompt + completion tokens; longer pairs are skipped (a cut completion would be scored wrongly)"""
-
-    # algorithm
-    center_rewards_coefficient: float = 0.0
-    """weight of the mean squared reward, which keeps rewards centered on 0 (0 disables)"""
 
     # optimization
     learning_rate: float = 1e-3
@@ -90,25 +77,20 @@ class Args:
     """preference pairs per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    per_device_eval_batch_size: int = 64
-    """pairs per eval batch per process"""
-
-    # evaluation
-    eval_steps: int = 150
-    """evaluate every this many optimizer steps (and at the end)"""
-    num_sample_pairs: int = 4
-    """eval pairs printed with their rewards at each evaluation"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/reward"
+    """where the reward model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
@@ -132,11 +114,29 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 150
+    """evaluate every this many optimizer steps (and at the end)"""
+    per_device_eval_batch_size: int = 64
+    """pairs per eval batch per process"""
+    num_sample_pairs: int = 4
+    """eval pairs printed with their rewards at each evaluation"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     total_batch_size: int = 0
-    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
@@ -244,7 +244,7 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, role="reward model")
     formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
     train_split = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")

@@ -26,6 +26,7 @@ grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), with the
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
@@ -47,58 +49,9 @@ from common.vllm import VLLMSampler
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/rloo"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
-
-    # model, data and rewards
-    model_name_or_path: str = "output/sft"
-    """policy to start from, usually the SFT model"""
-    dataset_name: str = "tiny_tldr/tldr"
-    """data with a prompt column (standard or conversational); other columns go to reward functions"""
-    dataset_train_split: str = "train"
-    """split whose prompts are used"""
-    max_prompt_length: int = 512
-    """prompt tokens kept (from the end)"""
-    reward_model_paths: list[str] = field(default_factory=lambda: ["output/reward"])
-    """reward models (sequence classifiers with one output), each with its own tokenizer"""
-    reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL does: `f(prompts=, completions=, completion_ids=,
-    **columns) -> list[float | None]`; None or NaN: not scored by it (common/rewards.py)"""
-    reward_weights: list[float] | None = None
-    """weight of each reward (models first, then functions; default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
-    missing_eos_penalty: float | None = None
-    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
-
-    # sampling
+    # algorithm: leave-one-out baseline, KL-penalised reward, clipped surrogate (module docstring)
     rloo_k: int = 4
     """k, completions sampled per prompt (each one's baseline is the mean of the other k - 1)"""
-    max_completion_length: int = 48
-    """tokens sampled per completion"""
-    temperature: float = 1.0
-    """sampling temperature; training logprobs use the same one"""
-    top_p: float = 1.0
-    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
-    top_k: int = 0
-    """top-k sampling (0 disables); training logprobs too, as top_p"""
-    min_p: float = 0.0
-    """min-p sampling (0 disables); training logprobs too, as top_p"""
-    repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
-
-    # algorithm
     kl_coef: float = 0.05
     """weight of the KL penalty subtracted from the reward"""
     token_level_kl: bool = False
@@ -121,6 +74,38 @@ class Args:
     """passes over each rollout batch"""
     num_mini_batches: int = 1
     """optimizer steps per pass (each of gradient_accumulation_steps micro-batches)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+
+    # model, data and rewards
+    model_name_or_path: str = "output/sft"
+    """policy to start from, usually the SFT model"""
+    dataset_name: str = "tiny_tldr/tldr"
+    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_prompt_length: int = 512
+    """prompt tokens kept (from the end)"""
+    reward_model_paths: list[str] | None = None
+    """reward models (one-output classifiers, each with its tokenizer; default output/reward without --reward_funcs)"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
+    reward_weights: list[float] | None = None
+    """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+
+    # sampling
+    max_completion_length: int = 48
+    """tokens sampled per completion"""
+    temperature: float = 1.0
+    """sampling temperature; training logprobs use the same one"""
+    top_p: float = 1.0
+    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
+    top_k: int = 0
+    """top-k sampling (0 disables); training logprobs too, as top_p"""
+    min_p: float = 0.0
+    """min-p sampling (0 disables); training logprobs too, as top_p"""
+    repetition_penalty: float = 1.0
+    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -139,49 +124,24 @@ class Args:
     """completions per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-
-    # evaluation
-    num_sample_generations: int = 4
-    """completions shown in the samples table every eval_steps"""
-    eval_steps: int = 25
-    """print a table of sampled completions with their scores every this many rollouts"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/rloo"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many rollouts (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many rollouts (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's full weights for sampling (off: sample sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
 
     # sampling with vLLM (common/vllm.py)
     use_vllm: bool = False
@@ -203,7 +163,7 @@ class Args:
     vllm_server_port: int = 8000
     """server: HTTP port of the vLLM server"""
     vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: found by connecting)"""
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
     vllm_group_port: int = 51216
     """server: port on which the trainer opens the NCCL group that carries the weights"""
     vllm_server_timeout: float = 240.0
@@ -211,17 +171,60 @@ class Args:
     vllm_importance_sampling_cap: float | None = None
     """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps each token's ratio; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
+    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
     vllm_importance_sampling_clip_min: float = 0.0
     """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
+
+    # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather the policy's full weights to sample (off: sharded, slower, for models too large to gather)"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
+
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 25
+    """print a table of sampled completions with their scores every this many rollouts"""
+    num_sample_generations: int = 4
+    """completions shown in the samples table every eval_steps"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     rollout_batch_size: int = 0
-    """completions per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches x world_size"""
+    """completions per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches
+    x world_size"""
     num_steps: int = 0
     """optimizer steps of the run = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+
+    def __post_init__(self):
+        if self.reward_model_paths is None:  # the default reward model only when nothing else scores
+            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,8 +547,8 @@ def main(args: Args):
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": str(p)[-80:], "completion": t, "score": score} for p, t, score
-                                 in zip(batch["prompts"], batch["texts"], scores.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples([{"prompt": p, "completion": t, "score": score} for p, t, score in
+                                 zip(batch["prompts"], batch["texts"], scores.tolist())][:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

@@ -14,6 +14,7 @@ targets, and each completion ends in EOS so that the model learns to stop.
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +23,7 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
@@ -32,22 +34,6 @@ from common.tracking import Tracker
 
 @dataclass
 class Args:
-    # general
-    seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
-    output_dir: str = "output/sft"
-    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
-
     # model and data
     model_name_or_path: str = "tiny_tldr/tiny-pythia"
     """base model: hub name or local directory (the default is the tiny task's: `python benchmarks/tiny_tldr.py`)"""
@@ -81,27 +67,20 @@ class Args:
     """examples per micro-batch per process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    per_device_eval_batch_size: int = 64
-    """examples per eval batch per process"""
-
-    # evaluation
-    eval_steps: int = 250
-    """evaluate every this many optimizer steps (and at the end)"""
-    num_sample_generations: int = 4
-    """sample completions printed at each evaluation"""
-    max_new_tokens: int = 48
-    """token budget of generated samples"""
+    seed: int = 1
+    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
     # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/sft"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     save_steps: int = 0
-    """save a resumable checkpoint in <output_dir>/checkpoints every this many optimizer steps (0: only when
-    stopped by SIGTERM / Ctrl-C or a non-finite value)"""
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None
     """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
     overwrite_output_dir: bool = False
-    """start over in an output_dir holding a finished model or another run's checkpoints (replaced when this run ends)"""
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
     skip_nonfinite_steps: bool = False
     """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
     ddp_timeout: int = 1800
@@ -125,11 +104,31 @@ class Args:
     lora_target_modules: list[str] | None = None
     """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
 
+    # tracking, evaluation and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 250
+    """evaluate every this many optimizer steps (and at the end)"""
+    per_device_eval_batch_size: int = 64
+    """examples per eval batch per process"""
+    num_sample_generations: int = 4
+    """sample completions printed at each evaluation"""
+    max_new_tokens: int = 48
+    """token budget of generated samples"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
     # filled in at runtime
     world_size: int = 0
     """number of processes (set at runtime)"""
     total_batch_size: int = 0
-    """examples per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size (set at runtime)"""
+    """examples per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
@@ -242,9 +241,8 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
         completion_ids = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
                                   args.max_new_tokens, temperature=0.0).completion_ids
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    samples = [{"prompt": str(p), "completion": c, "reference": str(r["completion"] if "completion" in r else
-                                                                  r["messages"][-1] if "messages" in r else r["text"][len(p):])}
-               for p, c, r in zip(prompts, texts, rows)]
+    samples = [{"prompt": p, "completion": c, "reference": r["completion"] if "completion" in r else
+                r["messages"][-1:] if "messages" in r else r["text"][len(p):]} for p, c, r in zip(prompts, texts, rows)]
     tracker.log_samples(samples, step)
 
 

@@ -235,18 +235,23 @@ def fmt_ci(r: dict) -> str:
 
 def markdown(r: dict) -> str:
     s = r["settings"]
+    row = lambda name, x: (f"| {name} | {x['accuracy']:.3f} | {x['ci95'][0]:.3f} - {x['ci95'][1]:.3f} | "  # noqa: E731
+                           f"{x['correct']}/{x['n']} |")
     return f"""# GRPO on SmolLM2-135M-Instruct: two-number addition
 
 Held-out greedy accuracy on {r['before']['n']} questions ({r['task']}), 95% Wilson intervals.
 
 | | accuracy | 95% interval | correct |
 |---|---|---|---|
-| before (SmolLM2-135M-Instruct) | {r['before']['accuracy']:.3f} | {r['before']['ci95'][0]:.3f} - {r['before']['ci95'][1]:.3f} | {r['before']['correct']}/{r['before']['n']} |
-| after {r['steps']} GRPO steps | {r['after']['accuracy']:.3f} | {r['after']['ci95'][0]:.3f} - {r['after']['ci95'][1]:.3f} | {r['after']['correct']}/{r['after']['n']} |
+{row('before (SmolLM2-135M-Instruct)', r['before'])}
+{row(f"after {r['steps']} GRPO steps", r['after'])}
 
-- steps: {r['steps']}, completions sampled: {r['completions_sampled']} ({s['per_device_train_batch_size'] // s['num_generations']} prompts x {s['num_generations']} per step, {s['max_completion_length']} tokens, temperature {s['temperature']})
+- steps: {r['steps']}, completions sampled: {r['completions_sampled']} \
+({s['per_device_train_batch_size'] // s['num_generations']} prompts x {s['num_generations']} per step, \
+{s['max_completion_length']} tokens, temperature {s['temperature']})
 - learning rate: {s['learning_rate']} (AdamW, linear decay), beta 0 (no reference model), dapo loss
-- training reward (share of sampled completions right): first 5 steps {r['train_reward_first_5']:.3f}, last 5 steps {r['train_reward_last_5']:.3f}
+- training reward (share of sampled completions right): first 5 steps {r['train_reward_first_5']:.3f}, \
+last 5 steps {r['train_reward_last_5']:.3f}
 - grpo.py wall time: {r['grpo_wall_seconds']:.0f} s ({r['seconds_per_step']:.1f} s/step, loading and saving included)
 - mean greedy reply length: {r['before']['mean_reply_chars']:.0f} -> {r['after']['mean_reply_chars']:.0f} characters
 - date: {r['date']}; machine: {r['machine']}

@@ -206,7 +206,8 @@ def main(args: Args) -> dict:
     backend = args.generation_backend
     if backend == "auto":
         backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
-    print(f"summarising {n} prompts of {args.dataset_name} ({args.dataset_split}) with {args.model_name_or_path} ({backend})")
+    print(f"summarising {n} prompts of {args.dataset_name} ({args.dataset_split}) with {args.model_name_or_path} "
+          f"({backend})")
     summaries, finished = (generate_vllm if backend == "vllm" else generate_hf)(args, tokenizer, prompt_ids)
 
     # ---- judge every pair twice: the policy's summary as A, then as B ----
@@ -223,7 +224,8 @@ def main(args: Args) -> dict:
               "judge_template": JUDGE_TEMPLATE,
               "examples": [{"prompt": p, "summary": s, "reference": r, "finished": f, "verdict_summary_as_a": a,
                             "verdict_summary_as_b": b, "win": w}
-                           for p, s, r, f, a, b, w in zip(prompts, summaries, references, finished, first, second, wins)]}
+                           for p, s, r, f, a, b, w
+                           in zip(prompts, summaries, references, finished, first, second, wins)]}
     if os.path.dirname(args.output_file):
         os.makedirs(os.path.dirname(args.output_file), exist_ok=True)
     with open(args.output_file, "w") as f:

@@ -91,9 +91,10 @@ def main():
         cells = {r["impl"]: r for r in rows if r["shape"] == " x ".join(map(str, shape))}
         first = next(iter(cells.values()))
         lines.append(f"| {first['shape']} | {first['logits_mib']:.0f} | "
-                     + " | ".join(f"{cells[i]['peak_above_mib']:.0f} ({cells[i]['peak_above_mib'] / first['logits_mib']:.2f}x)"
-                                  for i in impls) + " |")
-    same = all(abs(r["loss"] / rows[0 if r["shape"] == rows[0]["shape"] else len(impls)]["loss"] - 1) < 1e-3 for r in rows)
+                     + " | ".join(f"{cells[i]['peak_above_mib']:.0f} "
+                                  f"({cells[i]['peak_above_mib'] / first['logits_mib']:.2f}x)" for i in impls) + " |")
+    same = all(abs(r["loss"] / rows[0 if r["shape"] == rows[0]["shape"] else len(impls)]["loss"] - 1) < 1e-3
+               for r in rows)
     lines.append(f"\nSame loss across implementations (relative 1e-3): {same}. Temperature {TEMPERATURE}; "
                  "peak resident memory of a fresh process above its logits, loss.backward() included.")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -93,7 +93,8 @@ def sample_efficiency(runs: dict[str, list[list[dict]]], oracle: float, path: st
     algorithm (moving average over a tenth of the steps, then the mean over seeds; thin: each seed)."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, seeds in runs.items():
-        curves = [smooth([r["rewards/gold_reward/mean"] for r in records], max(1, len(records) // 10)) for records in seeds]
+        curves = [smooth([r["rewards/gold_reward/mean"] for r in records], max(1, len(records) // 10))
+                  for records in seeds]
         x = [r["episode"] for r in seeds[0]]
         n = min(len(c) for c in curves)
         if len(seeds) > 1:
@@ -116,7 +117,8 @@ def frontier(paths: dict[str, dict[float, list[tuple]]], sft: float, oracle: flo
     styles = ["o:", "o-", "o--", "o-."]
     for ax, (name, runs) in zip(axes.flat, paths.items()):
         for style, (scale, pts) in zip(styles, sorted(runs.items())):
-            ax.plot([p[1] for p in pts], [p[2] for p in pts], style, color=COLORS[name], markersize=3, label=f"x{scale:g}")
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], style, color=COLORS[name], markersize=3,
+                    label=f"x{scale:g}")
             ax.annotate(f"x{scale:g}", pts[-1][1:], fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.plot([0], [sft], "s", color=COLORS["sft"])
         ax.axhline(oracle, color="k", linestyle="--", linewidth=1)

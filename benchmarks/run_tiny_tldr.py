@@ -45,7 +45,8 @@ STAGES = {
     "ppo": ("algos/ppo.py", ("sft", "reward"), "PPO", "4 epochs, value model from the RM", "32 samples x 4 epochs"),
     "kto": ("algos/kto.py", ("sft",), "KTO", "", "16 rows"),
     "rloo": ("algos/rloo.py", ("sft", "reward"), "RLOO", "k 4, 2 PPO epochs", "32 samples x 2 epochs"),
-    "online_dpo": ("algos/online_dpo.py", ("sft", "reward"), "Online DPO", "sigmoid, beta 0.1", "16 prompts x 2 samples"),
+    "online_dpo": ("algos/online_dpo.py", ("sft", "reward"), "Online DPO", "sigmoid, beta 0.1",
+                   "16 prompts x 2 samples"),
     "grpo": ("algos/grpo.py", ("sft", "reward"), "GRPO", "dapo loss, beta 0.04", "32 samples"),
     "dpo": ("algos/dpo.py", ("sft",), "DPO", "sigmoid", "16 pairs"),
 }
@@ -242,7 +243,8 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
             if name in ONLINE_KEYS:  # the reward model's score of the samples, first and last tenth of the steps
                 rewards = [r[ONLINE_KEYS[name][0]] for r in records]
                 tenth = max(1, len(rewards) // 10)
-                found.update(reward_start=statistics.mean(rewards[:tenth]), reward_end=statistics.mean(rewards[-tenth:]))
+                found.update(reward_start=statistics.mean(rewards[:tenth]),
+                             reward_end=statistics.mean(rewards[-tenth:]))
 
     def col(stage: str, key: str, spec: str = ".2f", ci: float | None = None) -> str:
         return cell([numbers[seed][stage][key] for seed in args.seeds], spec, ci)
@@ -261,12 +263,14 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
         "|---|---|---|---|---|---|---|---|---|",
         f"| tiny base model + data | | | | | | | | {base_seconds:.0f} |",
         f"| oracle (gold-optimal summaries: all six facts) | **{col('oracle', 'win_rate', '.1%')}** "
-        f"| {col('oracle', 'gold_score')} | {col('oracle', 'rm_score')} | | {col('oracle', 'mean_length', '.1f')} | | | |",
+        f"| {col('oracle', 'gold_score')} | {col('oracle', 'rm_score')} | "
+        f"| {col('oracle', 'mean_length', '.1f')} | | | |",
         policy_row("sft"),
         f"| reward model | (held-out preference accuracy: **{col('reward', 'accuracy', '.1%')}**) | | | | | "
         f"| {col('reward', 's_per_step', '.3f')} (16 pairs) | {col('reward', 'seconds', '.0f')} |",
         *[policy_row(name) for name in POLICIES[1:]],
-        f"| evaluation (7 policies, each as soon as it is trained) | | | | | | | | {col('evaluate', 'seconds', '.0f')} |",
+        "| evaluation (7 policies, each as soon as it is trained) | | | | | | | "
+        f"| {col('evaluate', 'seconds', '.0f')} |",
         f"| total | | | | | | | | {total:.0f} |",
     ]
     # a rising RM score with a falling gold score would mean the RM is being gamed
@@ -276,15 +280,18 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
 
     # ---- WRITE the tables and the figures ----
     n, several = len(args.seeds), len(args.seeds) > 1
-    command = " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *(a for a in sys.argv[1:] if a != "--report_only")])
+    command = " ".join(["python", os.path.relpath(sys.argv[0], ROOT),
+                        *(a for a in sys.argv[1:] if a != "--report_only")])
     header = (
         f"Tiny TL;DR, produced {datetime.date.today()} by `{command}` (seed{'s' if several else ''} "
         f"{', '.join(map(str, args.seeds))}) on {os.cpu_count()} CPU cores ({platform.machine()}), {args.jobs} stages "
         f"at a time with {args.threads} torch thread{'s' if args.threads > 1 else ''} each"
-        f"{f'; QUICK MODE (--max_steps {args.max_steps}): the numbers only show that the job runs' if args.max_steps > 0 else ''}.\n\n"
-        f"On the greedy summaries of the first {args.eval_prompts} test prompts: the gold win rate is the share of "
+        + (f"; QUICK MODE (--max_steps {args.max_steps}): the numbers only show that the job runs"
+           if args.max_steps > 0 else "") + ".\n\n"
+        + f"On the greedy summaries of the first {args.eval_prompts} test prompts: the gold win rate is the share of "
         "prompts where the gold judge prefers the summary to the reference (ties 0.5)"
-        + (f"; every number is the mean ± std over the {n} seeds. " if several else ", ± half a 95% interval over prompts. ")
+        + (f"; every number is the mean ± std over the {n} seeds. " if several
+           else ", ± half a 95% interval over prompts. ")
         + "The mean RM score is the trained reward model's score of the same summaries; the length counts their tokens "
         f"(EOS included). KL to SFT: a Monte-Carlo estimate of KL(policy || SFT) per summary, in nats: one sample "
         f"(temperature 1, at most 48 tokens, seeded by the prompt's index) from the policy for each of the first "
@@ -292,8 +299,8 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
         "The RM reward of samples is the reward model's mean score of the completions the online runs sampled, "
         "over the first and the last tenth of their steps. Budgets: every online run samples "
         f"{args.completions if args.max_steps <= 0 else args.max_steps * 32} completions (32 per step); DPO and KTO "
-        "see each training preference pair once (KTO as two unpaired rows). s/step: median seconds per logged step; wall time: "
-        "each stage's own (stages run side by side, so they add up to more than the total).\n\n")
+        "see each training preference pair once (KTO as two unpaired rows). s/step: median seconds per logged step; "
+        "wall time: each stage's own (stages run side by side, so they add up to more than the total).\n\n")
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
     figures = (f"\nFigures: `{os.path.basename(figure('win_rate'))}` (win rate per policy), "
                f"`{os.path.basename(figure('training'))}` (reward and KL along training of the online runs), "

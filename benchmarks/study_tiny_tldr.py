@@ -103,7 +103,8 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
     """The frontier's tables (<results>_frontier.md and .json) and figure (.png) from the evaluations of
     the runs in `frontier_dirs` {scale: dir} and their checkpoints; returns the tables' path."""
     start = read_eval(seed_dir, ["sft"])  # the SFT model (KL 0) and the oracle
-    finals, paths = {m: [] for m in METHODS}, {m: {} for m in METHODS}  # [(kl, gold, win, scale)]; {scale: [(step, kl, gold)]}
+    # finals: [(kl, gold, win, scale)]; paths: {scale: [(step, kl, gold)]}
+    finals, paths = {m: [] for m in METHODS}, {m: {} for m in METHODS}
     for x, run_dir in frontier_dirs.items():
         for m in METHODS:
             e = read_eval(run_dir, [m])[m]
@@ -114,17 +115,19 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
     scales = list(frontier_dirs)
     lines = ["# Tiny TL;DR: the KL-reward frontier along training", "",
              f"Produced {datetime.date.today().isoformat()} by `python benchmarks/study_tiny_tldr.py"
-             f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores (the whole command: {total / 60:.0f} "
-             f"minutes, {args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT and reward model; each method's KL "
-             f"strength times {', '.join(f'{x:g}' for x in scales)} (defaults: "
-             + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS) + "), a checkpoint every fifth of its "
-             "steps. Each checkpoint is evaluated as the finished policies are: KL(pi || SFT) per summary in nats "
+             f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores (the whole command: "
+             f"{total / 60:.0f} minutes, {args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT "
+             f"and reward model; each method's KL strength times {', '.join(f'{x:g}' for x in scales)} (defaults: "
+             + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS)
+             + "), a checkpoint every fifth of its steps. Each checkpoint is evaluated as the finished policies are: "
+             "KL(pi || SFT) per summary in nats "
              f"(temperature-1 samples of the first {args.kl_prompts} test prompts) and the gold score of the greedy "
              f"summaries of the first {args.eval_prompts} (SFT: {start['sft']['gold_score']:.2f}, oracle "
              f"{start['oracle']['gold_score']:.2f}).", "", "Final models: KL / gold score / win rate.", "",
              "| method | " + " | ".join(f"x{x:g}" for x in scales) + " |", "|---|" + "---|" * len(scales)]
     for m in METHODS:
-        lines.append(f"| {STAGES[m][2]} | " + " | ".join(f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in finals[m]) + " |")
+        lines.append(f"| {STAGES[m][2]} | " + " | ".join(f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in finals[m])
+                     + " |")
     lines += ["", "Along training, step: KL / gold score (step 0 is the SFT model; end: the final model, where "
               "the last checkpoint is not it):", "", "| method | x | path |", "|---|---|---|"]
     for m in METHODS:
@@ -134,8 +137,8 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
     if main_runs:  # the x1 runs have the main runs' arguments (and checkpoints): the same final models
         same = [m for m in METHODS if read_eval(frontier_dirs[1.0], [m])[m] | {"along_training": None}
                 == read_eval(seed_dir, [m])[m] | {"along_training": None}]
-        lines += ["", f"The x1 runs repeat seed {fs}'s main runs: identical evaluations for {len(same)} of {len(METHODS)} "
-                  f"methods ({', '.join(same) or 'none'})."]
+        lines += ["", f"The x1 runs repeat seed {fs}'s main runs: identical evaluations for {len(same)} of "
+                  f"{len(METHODS)} methods ({', '.join(same) or 'none'})."]
     stem = os.path.splitext(args.results)[0] + "_frontier"
     lines += ["", f"Figure: `{os.path.basename(stem)}.png`."]
     plots.frontier(paths, start["sft"]["gold_score"], start["oracle"]["gold_score"], stem + ".png")
@@ -180,7 +183,8 @@ def main(args: StudyArgs):
             needs = [(seed, n) for n in STAGES[m][1]]
             stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m]),
                                        needs, os.path.join(run_dir, "logs", f"{m}.log"))
-            stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args, [(seed, "reward"), ("half", seed, m)])
+            stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args,
+                                                                   [(seed, "reward"), ("half", seed, m)])
 
     # ---- 3. the frontier: each method's KL strength scaled, a checkpoint every fifth of the steps ----
     frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs])
@@ -188,7 +192,8 @@ def main(args: StudyArgs):
     for x, run_dir in frontier_dirs.items():
         for m in METHODS:
             every = max(1, (steps[m] if args.max_steps <= 0 else args.max_steps) // 5)
-            flags = ("--" + KL_FLAGS[m], f"{default_kl(m) * x:g}", "--save_steps", str(every), "--save_total_limit", "5")
+            flags = ("--" + KL_FLAGS[m], f"{default_kl(m) * x:g}", "--save_steps", str(every),
+                     "--save_total_limit", "5")
             stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, extra=flags),
                                         [(fs, n) for n in STAGES[m][1]], os.path.join(run_dir, "logs", f"{m}.log"))
             argv, needs, log = evaluate_stage(run_dir, m, args, [(fs, "reward"), ("frontier", x, m)])
@@ -250,8 +255,9 @@ def main(args: StudyArgs):
               + (", ".join(f"{STAGES[a][2]} / {STAGES[b][2]}" for a, b in apart) or "none") + "."]
 
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
-    lines += ["", "## KL-reward frontier", "", f"In `{os.path.basename(frontier_file)}`: each method's gold score against "
-              "its KL to the SFT model along training, at several KL strengths, and its figure.", ""]
+    lines += ["", "## KL-reward frontier", "",
+              f"In `{os.path.basename(frontier_file)}`: each method's gold score against its KL to the SFT model "
+              "along training, at several KL strengths, and its figure.", ""]
 
     overopt = {name: read_log(os.path.join(overopt_dir, run, "logs", f"{run_name('overopt', run)}.jsonl"))[1]
                for name, (run, _, _) in overopt_runs.items()}

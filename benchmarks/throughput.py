@@ -337,7 +337,8 @@ def python(argv: list[str], timeout: int) -> subprocess.CompletedProcess:
                TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"python {' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"python {' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-4000:]}")
     return proc
 
 
@@ -404,7 +405,8 @@ def format_table(head: list[str], lines: list[list[str]], markdown: bool) -> str
 
 def main(args: Args) -> dict:
     if args.warmup_steps < 1 or args.steps < 1:
-        raise SystemExit("error: --warmup_steps and --steps must be >= 1 (the clock starts when the last warm-up step logs)")
+        raise SystemExit("error: --warmup_steps and --steps must be >= 1 (the clock starts when the last warm-up "
+                         "step logs)")
     tiny_tldr.build()  # the scripts' default data and base model
     work = args.work_dir or tempfile.mkdtemp(prefix="throughput-")
     os.makedirs(work, exist_ok=True)

@@ -203,8 +203,8 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
 
     +1 per key fact stated (in any of its wordings); -1 per wrong fact (a person, action, time, way,
     feeling or question of the world that is not this post's); -0.5 per distinct word absent from the
-    post (another wording of one of its facts is not absent); -0.5 per repeated word pair (at most 4); -0.3 per word beyond MAX_WORDS; -3 when the summary
-    never stopped (no EOS). Summaries stating the same facts cleanly tie.
+    post (another wording of one of its facts is not absent); -0.5 per repeated word pair (at most 4); -0.3 per
+    word beyond MAX_WORDS; -3 when the summary never stopped (no EOS). Summaries stating the same facts cleanly tie.
     """
     facts = post_facts(prompt)
     text = " ".join(_words(summary))

@@ -82,7 +82,8 @@ def evaluate_policy(policy, tokenizer, rows, sft, reward_model, reward_tokenizer
     kl = sequence_kl(policy, sft, sampled, args.batch_size)
     return {"win_rate": rate, "win_rate_ci": ci, "gold_score": sum(gold) / len(gold),
             "rm_score": rm_scores.mean().item(), "kl": kl.mean().item(), "kl_sem": (kl.std() / n ** 0.5).item(),
-            "mean_length": greedy.completion_mask.sum(1).float().mean().item(), "finished": sum(finished) / len(finished),
+            "mean_length": greedy.completion_mask.sum(1).float().mean().item(),
+            "finished": sum(finished) / len(finished),
             "num_prompts": len(rows), "kl_prompts": n}
 
 

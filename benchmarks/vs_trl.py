@@ -90,7 +90,8 @@ TRL_NAMES = {"rloo_k": "num_generations", "kl_coef": "beta", "cliprange": "epsil
              "num_mini_batches": "steps_per_generation", "warmup_ratio": "warmup_steps"}
 # settings TRL 1.16 has no field for, per script: ours get them, and the report says whether they bind
 NOT_IN_TRL = {"grpo": ("max_prompt_length",), "rloo": ("max_prompt_length",),
-              "dpo": ("max_prompt_length", "max_completion_length"), "kto": ("max_prompt_length", "max_completion_length")}
+              "dpo": ("max_prompt_length", "max_completion_length"),
+              "kto": ("max_prompt_length", "max_completion_length")}
 # torch.optim.AdamW's defaults, which the scripts use (weight decay is a setting); TRL gets them spelled out
 ADAMW = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
 # TRL config fields that make it do what our scripts do (TRL's own defaults differ)
@@ -146,7 +147,8 @@ class Args:
     scripts: list[Literal["sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]] | None = None
     """scripts to compare (default: every one)"""
     model: Literal["tiny", "smollm2"] = "tiny"
-    """tiny: the tiny TL;DR task (the SFT policy the scripts make); smollm2: SmolLM2-135M-Instruct on conversational prompts"""
+    """tiny: the tiny TL;DR task (the SFT policy the scripts make); smollm2: SmolLM2-135M-Instruct on conversational
+    prompts"""
     runs: int = 2
     """runs per side, interleaved: ours, TRL, ours, TRL, ..."""
     steps: int = 12
@@ -486,8 +488,9 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
 def table(results: dict, markdown: bool = False) -> str:
     """One row per script: both sides' median seconds per update, TRL's over ours, both peak RSS."""
     head = ["script", "TRL trainer", "ours s/step", "TRL s/step", "TRL/ours", "ours RSS (MiB)", "TRL RSS (MiB)"]
-    lines = [[script, r["trl_trainer"], f"{r['ours']['seconds_per_update']:.3f}", f"{r['trl']['seconds_per_update']:.3f}",
-              f"{r['ratio']:.2f}x", f"{r['ours']['peak_rss_mib']:,.0f}", f"{r['trl']['peak_rss_mib']:,.0f}"]
+    lines = [[script, r["trl_trainer"], f"{r['ours']['seconds_per_update']:.3f}",
+              f"{r['trl']['seconds_per_update']:.3f}", f"{r['ratio']:.2f}x", f"{r['ours']['peak_rss_mib']:,.0f}",
+              f"{r['trl']['peak_rss_mib']:,.0f}"]
              for script, r in results.items()]
     return format_table(head, lines, markdown)
 
@@ -537,7 +540,8 @@ def markdown(report: dict) -> str:
     for model, section in report.items():
         m, v = section["machine"], section["versions"]
         out += [f"## --model {model}", "", f"- date: {section['date']}",
-                f"- machine: {m['cpu']}, nproc {m['nproc']} (of {m['cpu_count']}), torch threads {section['args']['threads']}",
+                f"- machine: {m['cpu']}, nproc {m['nproc']} (of {m['cpu_count']}), "
+                f"torch threads {section['args']['threads']}",
                 "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f", python {m['python']}",
                 f"- command: `{section['command']}`"] + ([f"- note: {section['note']}"] if section["note"] else []) + [
                 f"- rerun {r['date']}, rows {', '.join(r['scripts'])}: `{r['command']}`"
@@ -551,12 +555,14 @@ def markdown(report: dict) -> str:
                     f"Per run, s/step: ours {ours}; TRL {trl}. Longest in tokens: "
                     + ", ".join(f"{k} {n}" for k, n in r["longest_in_tokens"].items())
                     + (f" (ours only: {', '.join(r['ours_only'])})" if r["ours_only"] else "")
-                    + (f". One logged step of ours = {r['updates_per_step']} updates." if r["updates_per_step"] > 1 else "."),
+                    + (f". One logged step of ours = {r['updates_per_step']} updates." if r["updates_per_step"] > 1
+                       else "."),
                     "", "| setting | ours | TRL |", "|---|---|---|"]
             for name, value in r["settings"].items():
                 trl_name = TRL_NAMES.get(name, name)
                 out.append(f"| {name} | {value} | "
-                           + ("(no such field)" if name in r["ours_only"] else f"{trl_name} = {r['trl_config'][trl_name]}")
+                           + ("(no such field)" if name in r["ours_only"]
+                              else f"{trl_name} = {r['trl_config'][trl_name]}")
                            + " |")
             out += ["", f"Ours: `{r['our_command']}`", "",
                     "TRL config besides the settings: " + ", ".join(

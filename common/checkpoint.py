@@ -54,7 +54,8 @@ class Checkpointer:
     def __init__(self, accelerator, scheduler, *, output_dir: str, run_name: str, resume_from: str | None,
                  save_steps: int, save_total_limit: int, skip_nonfinite_steps: bool):
         self.accelerator, self.run_name, self.resume_from = accelerator, run_name, resume_from
-        self.save_steps, self.save_total_limit, self.skip_nonfinite_steps = save_steps, save_total_limit, skip_nonfinite_steps
+        self.save_steps, self.save_total_limit = save_steps, save_total_limit
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.root = os.path.join(output_dir, "checkpoints")
         # (metric, value) that made this step's update be dropped; DeepSpeed steps inside backward(), before
         # `finite` can drop the update (it skips overflows itself)
@@ -62,8 +63,8 @@ class Checkpointer:
         self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
         if self.engine is not None and skip_nonfinite_steps:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
-                            "inside backward (skipping by itself those whose gradients overflow); without the flag a "
-                            "non-finite loss is caught before backward, and the run saves the last good weights and stops")
+                            "inside backward (it skips overflowing gradients itself); without the flag a non-finite "
+                            "loss is caught before backward, and the run saves the last good weights and stops")
         if not resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
             shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
@@ -156,7 +157,7 @@ class Checkpointer:
         applied = nonfinite and self.engine is not None and not self.skipped_backward and self.engine.was_step_applied()
         self.skipped_backward = False
         if nonfinite and self.skip_nonfinite_steps:
-            acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); update skipped (--skip_nonfinite_steps)")
+            acc.print(f"step {step}: non-finite {nonfinite[0]} ({nonfinite[1]}); step skipped (--skip_nonfinite_steps)")
             nonfinite = None
         if applied:
             newest = self.saved()[-1] if self.saved() else None

@@ -21,20 +21,18 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 def load_split(name: str, split: str) -> Dataset:
     """A split of a hub dataset, a local dataset folder (`save_to_disk`, or data files named by split)
     or one .json/.jsonl/.parquet/.csv file (split "train")."""
-    check_built(name)
+    check_built(name, "dataset")
+    builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
+    if os.path.isfile(name) and builder is None:
+        raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
     try:
         if os.path.isfile(name):
-            builder = FILE_BUILDERS.get(os.path.splitext(name)[1])
-            if builder is None:
-                raise UserError(f"dataset file '{name}' is not one of {sorted(FILE_BUILDERS)}")
             splits = load_dataset(builder, data_files={"train": name})
         elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
                                          for f in ("dataset_dict.json", "dataset_info.json")):
             splits = load_from_disk(name)
         else:
             splits = load_dataset(name)
-    except UserError:
-        raise
     except Exception as e:  # the hub, the file system and the parsers all raise their own types
         first_line = (str(e).splitlines() or [""])[0]
         # how `datasets` reports empty data files: "... corresponds to no data", or (all json) StopIteration
@@ -61,8 +59,8 @@ def check_columns(dataset: Dataset, formats: dict[str, list[str]], where: str) -
         if all(c in dataset.column_names for c in columns):
             check_text_fields(dataset, [c for c in columns if c != "label"], where)
             return fmt
-    accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {', '.join(c for c in cols if c not in dataset.column_names)})"
-                         for fmt, cols in formats.items())
+    missing = {fmt: ", ".join(c for c in cols if c not in dataset.column_names) for fmt, cols in formats.items()}
+    accepted = "; ".join(f"{fmt} ({', '.join(cols)}: missing {missing[fmt]})" for fmt, cols in formats.items())
     raise UserError(f"{where} has columns [{', '.join(dataset.column_names)}], which fit no accepted "
                     f"format: {accepted}")
 
@@ -106,8 +104,9 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
 
 def _check_chat_template(tokenizer):
     if not tokenizer.chat_template:
-        raise UserError("the dataset is conversational (lists of messages) but the tokenizer has no "
-                        "chat template; use a tokenizer with one, or standard (string) data")
+        raise UserError(f"the dataset is conversational (lists of messages) but "
+                        f"{getattr(tokenizer, 'described', 'the tokenizer')} has no chat template; use a tokenizer "
+                        "with one, or standard (string) data")
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -126,8 +125,8 @@ def completion_text(tokenizer, prompt, completion) -> str:
     before = prompt_text(tokenizer, prompt)
     full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full.startswith(before):
-        raise UserError("the chat template renders the prompt differently with and without the "
-                        "completion; the completion tokens cannot be separated from the prompt")
+        raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders the prompt "
+                        "differently with and without the completion; its completion tokens cannot be separated")
     return full[len(before):].rstrip()  # the template's trailing newline would follow the EOS
 
 

@@ -10,8 +10,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig, LogitsProcessor, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from common.models import deepspeed_stage
+
+# the key/value cache's name in model calls and outputs: `cache` since transformers 5.2x renamed it (the old name
+# warns there), `past_key_values` before (the floor, 4.56, knows only that)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +117,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
         # the samples of one prompt share its prefill: generate continues from the prompt's cache
         cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1, logits_to_keep=1)
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
-                             synced_gpus=synced, **({"past_key_values": cache} if cache is not None else {}))
+                             synced_gpus=synced, **({CACHE: cache} if cache is not None else {}))
         chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
                             value=tokenizer.pad_token_id))
     model.train(was_training)
@@ -225,8 +230,8 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
     position_ids = real_positions(attention_mask)
     cache = shared_prefix_cache(model, input_ids, attention_mask, start if share_prefix else 0, logits_to_keep=1)
     if cache is not None:
-        return model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
-                     past_key_values=cache, use_cache=True).logits[:, :-1]
+        return model(input_ids=input_ids[:, start:], attention_mask=attention_mask,
+                     position_ids=position_ids[:, start:], use_cache=True, **{CACHE: cache}).logits[:, :-1]
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                  logits_to_keep=input_ids.shape[1] - start).logits[:, :-1]
 
@@ -252,7 +257,7 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
     out = model(input_ids=ids, attention_mask=mask, position_ids=real_positions(mask), use_cache=True,
                 **kwargs)  # kwargs: logits_to_keep=1 for a causal LM
-    cache = getattr(out, "past_key_values", None)
+    cache = getattr(out, CACHE, None)
     if cache is not None:  # None: a model that keeps no cache
         cache.batch_select_indices(owner)
     return cache

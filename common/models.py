@@ -10,63 +10,68 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from common.runtime import UserError, check_built
 
 
-def _from_pretrained(cls, name_or_path: str, **kwargs):
-    check_built(name_or_path)
+def _from_pretrained(cls, name_or_path: str, what: str, **kwargs):
+    """`what`: the role it plays, named in errors with its path ("the policy", "reward model 1's tokenizer")."""
+    check_built(name_or_path, what)
     try:
         return cls.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError) as e:
-        hint = "" if os.path.isdir(name_or_path) else (
-            " (not a local directory; as a hub name it needs network access)")
-        raise UserError(f"could not load '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
+        hint = "" if os.path.isdir(name_or_path) else " (not a local directory; as a hub name it needs network access)"
+        raise UserError(f"could not load {what} '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, role: str = "policy"):
     """The tokenizer as shipped, padding on the left; without a pad token EOS pads (as in TRL): every mask
-    here comes from lengths and each completion's first EOS, never from `ids == pad_token_id`."""
-    tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
+    here comes from lengths and each completion's first EOS, never from `ids == pad_token_id`. `role`
+    (policy, reference, reward model i) names it in errors, here and in common/data.py's."""
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path, f"the {role}'s tokenizer")
+    tokenizer.described = f"the {role}'s tokenizer '{name_or_path}'"
     if tokenizer.eos_token_id is None:
-        raise UserError(f"tokenizer of '{name_or_path}' has no eos_token; set one and save it")
+        raise UserError(f"{tokenizer.described} has no eos_token; set one and save it")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
 
 
-def _load_model(cls, name_or_path: str, tokenizer, dtype: str, **kwargs):
+def _load_model(cls, name_or_path: str, tokenizer, dtype: str, role: str, **kwargs):
     """The model in `dtype` (auto: the checkpoint's), the tokenizer's pad id in its (generation) config."""
-    model = _from_pretrained(cls, name_or_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs)
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = _from_pretrained(cls, name_or_path, f"the {role}", dtype=dtype, **kwargs)
     for config in (model.config, getattr(model, "generation_config", None)):
         if config is not None:
             config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def load_policy(name_or_path: str, tokenizer, dtype: str = "auto"):
+def load_policy(name_or_path: str, tokenizer, dtype: str = "auto", role: str = "policy"):
     """A causal LM (the policy, or a frozen reference when put in eval mode by the caller)."""
-    return _load_model(AutoModelForCausalLM, name_or_path, tokenizer, dtype)
+    return _load_model(AutoModelForCausalLM, name_or_path, tokenizer, dtype, role)
 
 
-def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_head: bool = False):
+def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_head: bool = False,
+                      role: str = "reward model"):
     """A one-label sequence classifier (its logit is the reward). A causal LM only with new_head (reward
     training): its score head would be random."""
-    config = _from_pretrained(AutoConfig, name_or_path)
+    config = _from_pretrained(AutoConfig, name_or_path, f"the {role}")
     classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if classifier and config.num_labels != 1:
-        raise UserError(f"'{name_or_path}' is a sequence classifier with {config.num_labels} labels, but a reward "
-                        "model has one output (its logit is the reward); use a one-label classifier such as "
+        raise UserError(f"the {role} '{name_or_path}' is a sequence classifier with {config.num_labels} labels, but a "
+                        "reward model has one output (its logit is the reward); use a one-label classifier such as "
                         "reward.py saves, or start reward.py from a causal LM (it adds a one-output head)")
     if not classifier and not new_head:
-        raise UserError(f"'{name_or_path}' is not a reward model ({', '.join(config.architectures or ['no architecture'])}, "
-                        "not a sequence classifier): its score head would be random; train one with reward.py, "
-                        "or pass a reward function with --reward_funcs")
-    return _load_model(AutoModelForSequenceClassification, name_or_path, tokenizer, dtype, num_labels=1)
+        architectures = ", ".join(config.architectures or ["no architecture"])
+        raise UserError(f"the {role} '{name_or_path}' is not a reward model ({architectures}, not a sequence "
+                        "classifier): its score head would be random; train one with reward.py, or pass a reward "
+                        "function with --reward_funcs")
+    return _load_model(AutoModelForSequenceClassification, name_or_path, tokenizer, dtype, role, num_labels=1)
 
 
 def hint_learning_rate(accelerator, model, learning_rate: float, default: float):
     """One line when a real model meets the tiny task's default rate (real models want 10-1000x smaller)."""
     if learning_rate == default and model.num_parameters() > 10_000_000:
         accelerator.print(f"hint: --learning_rate {default} is the tiny task's default; for a model of "
-                          f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\" for learning rates")
+                          f"{model.num_parameters() / 1e6:.0f}M parameters see README \"Real models\"")
 
 
 def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = None, no_dropout: bool = False,

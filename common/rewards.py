@@ -10,7 +10,7 @@ import sys
 import torch
 
 from common.data import encode_completion, encode_prompt
-from common.generation import pad, real_positions, shared_prefix_cache
+from common.generation import CACHE, pad, real_positions, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
@@ -18,9 +18,9 @@ from common.runtime import UserError
 def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator):
     """[(name, model or function, tokenizer or None)] and their weights (default: all 1)."""
     sources = []
-    for path in model_paths:
-        tokenizer = load_tokenizer(path)
-        model = prepare_frozen(accelerator, load_reward_model(path, tokenizer))
+    for i, path in enumerate(model_paths, 1):
+        tokenizer = load_tokenizer(path, role=f"reward model {i}")
+        model = prepare_frozen(accelerator, load_reward_model(path, tokenizer, role=f"reward model {i}"))
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
     for spec in function_specs:
         sources.append((spec.partition(":")[2], import_function(spec), None))
@@ -60,8 +60,8 @@ def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torc
         position_ids = real_positions(attention_mask)
         cache = shared_prefix_cache(model, input_ids, attention_mask, prefix)
         if cache is not None:
-            return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache,
-                         position_ids=position_ids[:, prefix:], use_cache=True).logits[:, 0].float()
+            return model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask,
+                         position_ids=position_ids[:, prefix:], use_cache=True, **{CACHE: cache}).logits[:, 0].float()
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
     finally:
         config.pad_token_id = pad_id
@@ -113,8 +113,9 @@ def compute_rewards(sources, weights, *, prompts: list, completions: list, colum
                             "it must return a list with one float (or None) per completion") from None
         if per_source[name].isinf().any():
             i = int(per_source[name].isinf().nonzero()[0])
-            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} ({str(completions[i])[:40]!r}); "
-                            "rewards must be finite (return None to leave a completion unscored)")
+            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} "
+                            f"({str(completions[i])[:40]!r}); rewards must be finite (return None to leave a "
+                            "completion unscored)")
     # a source of weight 0 is logged (rewards/<name>/mean) but not optimised: an oracle to watch
     counted = [(values, w) for values, w in zip(per_source.values(), weights) if w != 0]
     weighted = torch.stack([values for values, _ in counted], dim=1) * torch.tensor([w for _, w in counted])

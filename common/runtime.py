@@ -7,7 +7,9 @@ import os
 import signal
 import sys
 
+import datasets
 import torch
+import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -41,10 +43,10 @@ def exit_on_user_error():
         raise
 
 
-def check_built(path: str):
+def check_built(path: str, what: str):
     """The defaults name the tiny task's folders (tiny_tldr/...), which a benchmark writes."""
     if path.startswith("tiny_tldr/") and not os.path.exists(path):
-        raise UserError(f"'{path}' does not exist; build the tiny task first (from the project root): "
+        raise UserError(f"{what} '{path}' does not exist; build the tiny task first (from the project root): "
                         "python benchmarks/tiny_tldr.py")
 
 
@@ -99,13 +101,15 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
     # lets a launcher's value (a yaml's deepspeed_config.gradient_accumulation_steps, `accelerate launch
     # --gradient_accumulation_steps`) or a DeepSpeed json's replace it, with only a warning in its log
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    for where, value in (("the accelerate launch config (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config "
-                          "or --gradient_accumulation_steps)", os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")),
+    launcher = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    for where, value in (("the accelerate launch config (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its "
+                          "deepspeed_config or --gradient_accumulation_steps)", launcher),
                          (f"the DeepSpeed config {ds_file}",
                           ds_file != "none" and json.load(open(ds_file)).get("gradient_accumulation_steps"))):
         if value not in (None, False, "auto") and int(value) != gradient_accumulation_steps:
-            raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says {value}; "
-                            "the script accumulates by its flag: remove the value from the config or make the two equal")
+            raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says "
+                            f"{value}; the script accumulates by its flag: remove the value from the config or make "
+                            "the two equal")
     # DeepSpeed without CUDA (ZeRO on a CPU, as the tests do): accelerate leaves the backend unset, and
     # every process would believe it is alone
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()
@@ -119,6 +123,9 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     set_seed(seed)
+    if not sys.stderr.isatty():  # progress bars (loading, saving, mapping) on a terminal only, as common/tracking.py's
+        transformers.utils.logging.disable_progress_bar()  # the hub's too
+        datasets.disable_progress_bars()
     if (plugin := accelerator.state.deepspeed_plugin) is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = gradient_accumulation_steps  # a json without it: 1

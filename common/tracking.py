@@ -9,18 +9,23 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from common.data import is_conversational
+
 # the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
 TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
 
 
 class Tracker:
     def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
-                 total_steps: int, start_step: int = 0, wandb_project: str | None = None, wandb_entity: str | None = None):
+                 total_steps: int, start_step: int = 0, wandb_project: str | None = None,
+                 wandb_entity: str | None = None):
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
         self.main = accelerator.is_main_process
         self.every = max(1, logging_steps)
         self.start = time.time()
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.main, dynamic_ncols=True)
+        # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
+        # lines print either way
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
@@ -51,9 +56,12 @@ class Tracker:
             self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def log_samples(self, rows: list[dict], step: int, title: str = "samples"):
-        """Print a table of sample completions (dicts with the same keys) and send it to wandb."""
+        """Print a table of sample completions (dicts with the same keys) and send it to wandb; a conversation
+        (a list of {"role", "content"} messages) as `role: content` turns."""
         if not self.main or not rows:
             return
+        rows = [{k: " | ".join(f"{m['role']}: {m['content']}" for m in v) if is_conversational(v) else v
+                 for k, v in row.items()} for row in rows]
         self.bar.write(f"--- {title} at step {step} ---")
         for i, row in enumerate(rows):
             for key, value in row.items():

@@ -104,7 +104,7 @@ def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
             if time.time() > deadline:
                 raise UserError(f"no vLLM server answered at {url} within {timeout:.0f} s; start one with "
                                 "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
-                                "'{\"backend\": \"nccl\"}'` (see common/vllm.py) or raise --vllm_server_timeout") from None
+                                "'{\"backend\": \"nccl\"}'` (common/vllm.py) or raise --vllm_server_timeout") from None
             time.sleep(1)
 
 
@@ -119,7 +119,7 @@ class VLLMSampler:
         try:
             import vllm
         except ImportError:
-            raise UserError("--use_vllm needs vLLM: pip install 'minimal-post-training[vllm]' (on a CUDA machine)") from None
+            raise UserError("--use_vllm needs vLLM: pip install 'minimal-post-training[vllm]' (on CUDA)") from None
         if use_peft and deepspeed_stage(accelerator) == 3:
             raise UserError("--use_vllm with --use_peft under ZeRO-3 is not supported (merging adapters needs whole "
                             "layers); use ZeRO-2 (configs/deepspeed_zero2.yaml): LoRA's optimizer state is small")
@@ -149,7 +149,8 @@ class VLLMSampler:
             self.url, world_size = wait_for_server(server_host, server_port, server_timeout)
             from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                                      NCCLTrainerWeightTransferEngine)
 
             class Source(ModuleSource):  # full (gathered, merged) parameters under their HF names
                 def metadata(self):  # shapes without gathering (ds_shape: the full shape under ZeRO-3)
@@ -160,13 +161,14 @@ class VLLMSampler:
                     return _full_parameters(accelerator, self._module)
 
             # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
-            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_port=group_port, world_size=1 + world_size,
+            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_port=group_port,
+                                       world_size=1 + world_size,
                                        master_address=group_host or address_towards(server_host, server_port))
             self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
             return
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights load in place
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: in-place weights
         if self.tp > 1:  # consecutive ranks form one engine (vLLM's external launcher), and sample for the group
             self.group = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(r, r + self.tp)) for r in range(0, accelerator.num_processes, self.tp)])[0]
@@ -219,8 +221,8 @@ class VLLMSampler:
             def one(prompt, seed):
                 body = json.dumps({"model": self.model_name, "prompt": prompt, "seed": seed, "return_token_ids": True,
                                    **params}).encode()
-                request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=600) as r:
+                post = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(post, timeout=600) as r:
                     choice = json.load(r)["choices"][0]
                 return choice["token_ids"], choice["logprobs"]["token_logprobs"]
             with ThreadPoolExecutor(32) as pool:
@@ -238,7 +240,8 @@ class VLLMSampler:
                 mine = slice(start, start + len(prompts))
                 prompts, seeds = [p for ps, _ in group for p in ps], [s for _, ss in group for s in ss]
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)[mine]
+                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds],
+                                        use_tqdm=False)[mine]
             results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
                        for o in outputs]
             prompts = prompts[mine]
@@ -249,5 +252,5 @@ class VLLMSampler:
         ids = torch.tensor([list(t) + [tokenizer.pad_token_id] * (max_new_tokens - len(t)) for t, _ in results])
         logps = torch.tensor([list(lp) + [0.0] * (max_new_tokens - len(lp)) for _, lp in results])
         completion_ids, completion_mask, finished = truncate_at_stop(ids, stop_ids, tokenizer.pad_token_id)
-        return Samples(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device),
-                       finished.to(device), sampler_logps=logps.to(device) * completion_mask.to(device))
+        return Samples(*(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, finished)),
+                       sampler_logps=(logps * completion_mask).to(device))

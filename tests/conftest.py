@@ -92,7 +92,8 @@ class FixedLogits(torch.nn.Module):
 def vllm_options(**overrides) -> dict:
     """VLLMSampler's options as the scripts pass them at their defaults, with `overrides`."""
     return {**dict(seed=1, dtype="auto", use_peft=False, mode="colocate", gpu_memory_utilization=0.3,
-                   enable_sleep_mode=False, sleep_level=2, server_host="127.0.0.1", server_port=8000, server_timeout=240.0,
+                   enable_sleep_mode=False, sleep_level=2, server_host="127.0.0.1", server_port=8000,
+                   server_timeout=240.0,
                    group_host=None, group_port=51216, tensor_parallel_size=1, max_num_batched_tokens=4096), **overrides}
 
 

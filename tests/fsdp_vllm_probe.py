@@ -43,7 +43,8 @@ for mode in ("colocate", "server"):
                f"{out}/{mode}{accelerator.process_index}.pt")
 if kind == "plain":  # the engine answers [the prompt's last token, the seed], so each completion shows its origin
     vllm.LLM.completion_of = lambda self, prompt, seed: [prompt[-1], seed]
-    sampler = common_vllm.VLLMSampler(accelerator, model_path, 64, **vllm_options(dtype="float32", tensor_parallel_size=2))
+    sampler = common_vllm.VLLMSampler(accelerator, model_path, 64,
+                                      **vllm_options(dtype="float32", tensor_parallel_size=2))
     rank = accelerator.process_index
     prompts, seeds = [[5, 10 + 10 * rank + i] for i in range(2 + rank)], [100 + 10 * rank + i for i in range(2 + rank)]
     ids = sampler.generate(tokenizer, prompts, 2, seeds=seeds).completion_ids

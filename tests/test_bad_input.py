@@ -1,9 +1,15 @@
 """Bad input to the scripts: one line on stderr naming the problem, exit status 2, no traceback,
 and nothing already saved in the output directory is touched."""
 
+import fcntl
 import importlib
 import json
 import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 import time
 
 import pytest
@@ -11,7 +17,7 @@ from transformers import AutoTokenizer
 
 from algos import dpo, kto, reward, sft
 from common.runtime import UserError
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 
 def write_jsonl(path, rows):
@@ -22,7 +28,8 @@ def write_jsonl(path, rows):
 def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path, sft_model):
     before = {f: os.path.getmtime(os.path.join(sft_model, f)) for f in os.listdir(sft_model)}
     bad = write_jsonl(tmp_path / "cols.jsonl", [{"prompt": "a", "answer": "b"}])
-    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, "--overwrite_output_dir", check=False)
+    proc = run_script("algos/sft.py", "--dataset_name", bad, "--output_dir", sft_model, "--overwrite_output_dir",
+                      check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -33,8 +40,7 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
 
 
 def sft_args(tmp_path, **kw):
-    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", 
-                    output_dir=str(tmp_path / "out"))
+    defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", output_dir=str(tmp_path / "out"))
     return sft.Args(**{**defaults, **kw})
 
 
@@ -56,7 +62,8 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("rows,message", [
-    ([{"prompt": "a", "chosen": "b"}], r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected: missing rejected\)"),
+    ([{"prompt": "a", "chosen": "b"}],
+     r"columns \[prompt, chosen\].*preference \(prompt, chosen, rejected: missing rejected\)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " b"}] * 3, "no training pair left"),
 ])
 def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
@@ -67,7 +74,7 @@ def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
 
 
 def test_reward_without_an_sft_model_says_so(tmp_path):
-    with pytest.raises(UserError, match="could not load 'nowhere/sft'"):
+    with pytest.raises(UserError, match="could not load the reward model's tokenizer 'nowhere/sft'"):
         reward.main(reward.Args(model_name_or_path="nowhere/sft", output_dir=str(tmp_path / "rm")))
 
 
@@ -76,7 +83,8 @@ def test_reward_without_an_sft_model_says_so(tmp_path):
       {"prompt": "a " * 40, "chosen": " b", "rejected": " c"}], {},
      "no pair of split 'train' is left to train on: 1 chosen == rejected, 1 empty completion, "
      "1 prompt leaves no room under max_length=32"),
-    ([{"chosen": "red", "rejected": "blue"}], {}, "left to train on: 1 without a prompt column, chosen and rejected share"),
+    ([{"chosen": "red", "rejected": "blue"}], {},
+     "left to train on: 1 without a prompt column, chosen and rejected share"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"precompute_ref_logps": True, "sync_ref_model": True},
      "exclude each other"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"loss_type": "robust", "label_smoothing": 0.5},
@@ -136,6 +144,8 @@ GOOD_ROWS = {"sft": [{"prompt": PROMPT, "completion": " b"}] * 4,
              **{s: [{"prompt": PROMPT, "chosen": " b", "rejected": " c"}] * 4 for s in ("reward", "dpo", "kto")},
              **{s: [{"prompt": PROMPT}] * 4 for s in ONLINE}}
 REWARD = ["tests.toy_rewards:short"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 SCRIPT_ARGS = {**{s: dict(dataset_test_split="") for s in OFFLINE},
                "grpo": dict(reward_model_paths=[], reward_funcs=REWARD, num_generations=2, max_completion_length=4),
                "rloo": dict(reward_model_paths=[], reward_funcs=REWARD, rloo_k=2, max_completion_length=4),
@@ -182,8 +192,12 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     # 4. every prompt longer than the length limit (sft, dpo: above; the online scripts keep a prompt's end)
     ("reward", "too_long", None, dict(max_length=3), "no training pair left: 4 longer than max_length=3"),
     ("kto", "too_long", None, dict(max_length=3), "8 prompt leaves no room under max_length=3"),
-    # 5. conversations, but the tokenizer has no chat template
-    *[(s, "chat", conversational, {}, "conversational .* but the tokenizer has no chat template") for s in SCRIPTS],
+    # 5. conversations, but a tokenizer has no chat template: the error names its role and path
+    *[(s, "chat", conversational, {}, "conversational .* but the " + ("reward model" if s == "reward" else "policy")
+       + "'s tokenizer '.*tiny-pythia' has no chat template") for s in SCRIPTS],
+    *[(s, "rm_chat", conversational, dict(model_name_or_path="<chat_lm>", reward_model_paths=["<one_label>"]),
+       "conversational .* but the reward model 1's tokenizer '.*one_label' has no chat template")
+      for s in ("grpo", "rloo", "online_dpo")],
     # 6. a reward model with two labels (or reward training started from one)
     ("reward", "labels", None, dict(model_name_or_path="<two_labels>"), "is a sequence classifier with 2 labels"),
     *[(s, "labels", None, dict(reward_model_paths=["<two_labels>"]), "is a sequence classifier with 2 labels")
@@ -227,7 +241,18 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("ppo", "causal_rm", None, dict(reward_model_path="<causal_lm>"), "is not a reward model .GPTNeoXForCausalLM"),
     ("grpo", "reward_inf", None, dict(reward_funcs=["tests.toy_rewards:infinite"]),
      "reward function 'infinite' returned inf for completion 0"),
-    # 12. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
+    # 12. a model or tokenizer that does not load: the error names its role and path
+    ("sft", "path", None, dict(model_name_or_path="nowhere/sft"),
+     "could not load the policy's tokenizer 'nowhere/sft'"),
+    ("reward", "path", None, dict(model_name_or_path="nowhere/sft"),
+     "could not load the reward model's tokenizer 'nowhere/sft'"),
+    *[(s, "ref_path", None, dict(ref_model_name_or_path="nowhere/ref"), "could not load the reference 'nowhere/ref'")
+      for s in ("dpo", "kto")],
+    ("grpo", "path", None, dict(reward_model_paths=["<one_label>", "nowhere/rm"]),
+     "could not load the reward model 2's tokenizer 'nowhere/rm'"),
+    ("ppo", "path", None, dict(reward_model_path="nowhere/rm"),
+     "could not load the reward model's tokenizer 'nowhere/rm'"),
+    # 13. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
     *[(s, "penalty_and_correction", None, dict(use_vllm=True, vllm_importance_sampling_cap=2.0, repetition_penalty=1.1),
        "--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the penalty")
       for s in ("grpo", "rloo")],
@@ -236,16 +261,20 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
 
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory, tiny_model):
-    """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself."""
-    from transformers import AutoModelForSequenceClassification
+    """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself;
+    <chat_lm>: the tiny model with a chat template."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     root = tmp_path_factory.mktemp("bad_models")
-    paths = {name: str(root / name) for name in ("two_labels", "one_label")}
+    paths = {name: str(root / name) for name in ("two_labels", "one_label", "chat_lm")}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for name, num_labels in (("two_labels", 2), ("one_label", 1)):
         model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=num_labels)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(paths["chat_lm"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(paths["chat_lm"])
     return {**{f"<{name}>": path for name, path in paths.items()}, "<causal_lm>": tiny_model}
 
 
@@ -255,21 +284,37 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
     data = write_jsonl(tmp_path / "d.jsonl", (rows or (lambda r: r))(GOOD_ROWS[script]))
     kw = {**dict(model_name_or_path=tiny_model, dataset_name=data, max_steps=1, per_device_train_batch_size=2,
                  output_dir=str(tmp_path / "out")), **SCRIPT_ARGS[script], **kw}
-    fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # "<two_labels>" -> its path
+    fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # noqa: E731 "<two_labels>" -> its path
     kw = {k: [fill(x) for x in v] if isinstance(v, list) else fill(v) for k, v in kw.items()}
     with pytest.raises(UserError, match=message):
         module.main(module.Args(**kw))
 
 
-def test_an_error_after_the_progress_bar_starts_on_its_own_line(tmp_path, tiny_model):
+def test_progress_bars_on_a_terminal_only_and_an_error_after_one_starts_on_its_own_line(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT}] * 4)
-    proc = run_script("algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", data,
-                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:infinite", "--num_generations", "2",
-                      "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "1",
-                      "--output_dir", str(tmp_path / "out"), check=False)
+    argv = ["algos/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_model_paths",
+            "--reward_funcs", "tests.toy_rewards:infinite", "--num_generations", "2", "--per_device_train_batch_size",
+            "2", "--max_completion_length", "4", "--max_steps", "1", "--output_dir", str(tmp_path / "out")]
+    proc = run_script(*argv, check=False)  # stderr a pipe, as a log file: no progress bar in it
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "|" in proc.stderr.split("error: ")[0]  # the progress bar was drawn before the error ...
-    assert proc.stderr.count("error: ") == 1 and "\nerror: reward function 'infinite' returned inf" in proc.stderr
+    assert "it/s" not in proc.stderr and "|" not in proc.stderr.split("error: ")[0], proc.stderr[-2000:]
+    master, terminal = pty.openpty()  # stderr a terminal: the bars draw, and the error starts on a line of its own
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns (a new one has 0)
+    run = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=terminal)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the script ended
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    shown = shown.decode(errors="replace")
+    assert run.wait() == 2 and "|" in shown.split("error: ")[0], shown[-2000:]  # a bar drawn before the error ...
+    assert shown.count("error: ") == 1 and "\nerror: reward function 'infinite' returned inf" in shown
 
 
 def test_cli_error_of_an_online_script_is_one_line_exit_2(tmp_path, tiny_model):
@@ -291,11 +336,13 @@ def test_accumulation_given_twice_is_refused_before_the_accelerator_starts(tmp_p
     flags = dict(seed=1, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_grad_norm=1.0)
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
     with pytest.raises(UserError, match=r"^--gradient_accumulation_steps is 2 but the accelerate launch config "
-                                        r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, .*\) says 1; the script accumulates"):
+                                        r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, .*\) says 1; the script "
+                                        r"accumulates"):
         setup(**flags)
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")  # equal: fine
     (tmp_path / "ds.json").write_text('{"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}')
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
-    with pytest.raises(UserError, match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
+    with pytest.raises(UserError,
+                       match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
                                         "says 4; the script accumulates by its flag: remove the value"):
         setup(**flags)

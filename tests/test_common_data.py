@@ -43,8 +43,9 @@ def test_an_unbuilt_tiny_task_says_how_to_build_it(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "sft.py")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: 'tiny_tldr/tiny-pythia' does not exist; build the tiny task "
-                                                "first (from the project root): python benchmarks/tiny_tldr.py"]
+    assert proc.stderr.strip().splitlines() == ["error: the policy's tokenizer 'tiny_tldr/tiny-pythia' does not exist; "
+                                                "build the tiny task first (from the project root): "
+                                                "python benchmarks/tiny_tldr.py"]
     with pytest.raises(UserError, match="python benchmarks/tiny_tldr.py"):
         load_split("tiny_tldr/missing", "train")  # cwd: the project root (conftest)
 
@@ -76,10 +77,12 @@ def test_empty_split_is_an_error(tmp_path):
 
 def test_check_columns_picks_a_format_or_lists_them():
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"]}
-    assert check_columns(Dataset.from_dict({"messages": [[{"role": "user", "content": "a"}]]}), formats, "d") == "messages"
+    messages = Dataset.from_dict({"messages": [[{"role": "user", "content": "a"}]]})
+    assert check_columns(messages, formats, "d") == "messages"
     with pytest.raises(UserError) as e:
         check_columns(Dataset.from_dict({"prompt": ["x"], "answer": ["y"]}), formats, "dataset 'd'")
-    assert "[prompt, answer]" in str(e.value) and "prompt-completion (prompt, completion: missing completion)" in str(e.value)
+    assert "[prompt, answer]" in str(e.value)
+    assert "prompt-completion (prompt, completion: missing completion)" in str(e.value)
 
 
 def test_completion_ends_in_exactly_one_eos(tokenizer):
@@ -97,7 +100,8 @@ def test_bos_is_not_doubled(tokenizer):
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
     prompt, completion = encode_prompt(tokenizer, "TITLE: x"), encode_completion(tokenizer, "TITLE: x", " y")
-    assert prompt[0] == bos and (prompt + completion).count(bos) == 1 + completion.count(bos) and bos not in completion[:-1]
+    assert prompt[0] == bos and bos not in completion[:-1]
+    assert (prompt + completion).count(bos) == 1 + completion.count(bos)
     # a chat template writes its own BOS: tokenizing the rendered text must not add a second one
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])

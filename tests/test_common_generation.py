@@ -77,7 +77,8 @@ def test_token_logprobs_of_the_truncated_distribution_hand_worked(truncation, ke
     # the seeded sampler (HF path) draws from the same kept tokens, and the tests' own rule keeps them too
     n, off = 2000, dict(top_k=0, top_p=1.0, min_p=0.0)
     for t, tokens in enumerate(kept):
-        sampler = SeededSampler(list(range(n)), "cpu", temperature=temperature, max_new_tokens=1, **{**off, **truncation})
+        sampler = SeededSampler(list(range(n)), "cpu", temperature=temperature, max_new_tokens=1,
+                                **{**off, **truncation})
         assert set(sampler(None, logits[0, t].detach().repeat(n, 1)).argmax(-1).tolist()) == tokens, (t, truncation)
         own = sampling_logprobs(logits[0, t].detach() / temperature, **truncation, label=LABELS[t])
         torch.testing.assert_close(own[LABELS[t]], got[0, t].detach(), atol=1e-6, rtol=0)
@@ -185,8 +186,8 @@ def test_generate_returns_masked_completions_cut_at_the_first_stop_token(tiny_mo
     stop = free[0, 2].item()
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
     out = generate(model, tokenizer, prompts, **sample)
-    prompt_ids, prompt_mask, ids, mask, finished = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
-                                                    out.finished)
+    prompt_ids, prompt_mask, ids, mask, finished = (out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                                    out.completion_mask, out.finished)
     assert prompt_ids.shape[0] == 4 and prompt_mask[0, 0] == 0  # left-padded
     assert ids.shape == (4, 6) and mask.shape == (4, 6)
     assert ids[0, :3].tolist() == free[0, :3].tolist() and mask[0].tolist() == [1, 1, 1, 0, 0, 0] and finished[0]
@@ -204,13 +205,16 @@ def test_seeded_sampler_draws_from_the_warped_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     n, temperature = 4000, 0.7
     scores = logits.repeat(n, 1)
-    picks = SeededSampler(list(range(n)), "cpu", temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=1)(None, scores).argmax(-1)
+    sampler = SeededSampler(list(range(n)), "cpu", temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                            max_new_tokens=1)
+    picks = sampler(None, scores).argmax(-1)
     expected = [math.exp(x / temperature) for x in logits.tolist()]
     expected = [e / sum(expected) for e in expected]
     observed = torch.bincount(picks, minlength=4).float() / n
     assert all(abs(o - e) < 0.03 for o, e in zip(observed.tolist(), expected)), (observed, expected)
     # top-k 2 leaves only the two largest logits
-    picks = SeededSampler(list(range(n)), "cpu", temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, max_new_tokens=1)(None, scores).argmax(-1)
+    sampler = SeededSampler(list(range(n)), "cpu", temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, max_new_tokens=1)
+    picks = sampler(None, scores).argmax(-1)
     assert set(picks.tolist()) == {0, 1}
 
 
@@ -256,6 +260,7 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_tensor_formula(dtype, shap
     got = token_logprobs(logits, labels, temperature=0.7)
     (got_grad,) = torch.autograd.grad((got * weights).sum(), logits)
     assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-6)
-    assert got_grad.dtype == dtype and torch.allclose(got_grad.float(), expected_grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert got_grad.dtype == dtype
+    assert torch.allclose(got_grad.float(), expected_grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
     entropy = -(full.exp() * full).sum(-1)
     assert torch.allclose(token_entropy(logits, 0.7, elements=4 * shape[2]), entropy, atol=1e-6)  # 4 positions a chunk

@@ -1,11 +1,13 @@
 """common/rewards.py: reward models and functions, weights, None, columns, and clear errors."""
 
+import importlib
 import math
 import sys
 import types
 
 import pytest
 import torch
+import tyro
 
 from common.rewards import compute_rewards, load_reward_sources, score_with_model
 from common.runtime import UserError
@@ -111,6 +113,22 @@ def test_reward_model_reads_prompt_completion_eos_left_truncated(tiny_model, tok
     with torch.no_grad():
         direct = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         cut = model(input_ids=torch.tensor([ids[-5:]])).logits[0, 0].item()
-    assert score_with_model(model, tokenizer, [prompt, "x"], [completion, " y"]).tolist()[0] == pytest.approx(direct, abs=1e-5)
+    scores = score_with_model(model, tokenizer, [prompt, "x"], [completion, " y"])
+    assert scores.tolist()[0] == pytest.approx(direct, abs=1e-5)
     tokenizer.model_max_length = 5  # the start of the prompt is dropped, the completion kept
     assert score_with_model(model, tokenizer, [prompt], [completion]).item() == pytest.approx(cut, abs=1e-5)
+
+
+@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo"])
+def test_the_default_reward_model_only_when_nothing_else_scores(script):
+    """As in TRL, reward functions alone are the whole reward: the default reward model (output/reward) is
+    used only when neither --reward_model_paths nor --reward_funcs (nor online_dpo's --judge) is given."""
+    args = importlib.import_module(f"algos.{script}").Args
+    paths = lambda *argv: tyro.cli(args, args=list(argv)).reward_model_paths  # noqa: E731
+    assert paths() == ["output/reward"]
+    assert paths("--reward_funcs", "m:f") == []
+    assert paths("--reward_model_paths", "rm", "--reward_funcs", "m:f") == ["rm"]
+    assert paths("--reward_model_paths", "--reward_funcs", "m:f") == []  # the old way to say it still works
+    assert paths("--reward_model_paths", "a", "b") == ["a", "b"]
+    if script == "online_dpo":
+        assert paths("--judge", "m:j") == []

@@ -2,14 +2,13 @@
 vLLM's engine (sleep mode, stop tokens) and weight-transfer classes (server mode, several ranks)."""
 
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from common.generation import generate, stop_token_ids, truncate_at_stop
+from common.generation import CACHE, generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
 from common import vllm as common_vllm
 from common.runtime import UserError
@@ -178,7 +177,8 @@ def test_server_mode_the_group_opens_at_this_machines_address_not_the_servers(fa
     for given, expected in ((None, "this machine, seen from 127.0.0.2:8100"), ("10.0.0.5", "10.0.0.5")):
         fake_vllm.transfers.clear()
         sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
-                              **vllm_options(mode="server", server_host="127.0.0.2", server_port=8100, group_host=given))
+                              **vllm_options(mode="server", server_host="127.0.0.2", server_port=8100,
+                                             group_host=given))
         sampler.push_weights(torch.nn.Linear(1, 1))
         (_, info), *_ = fake_vllm.transfers
         assert info.master_address == expected and sampler.url == "http://server"
@@ -208,7 +208,8 @@ def test_fsdp2_push_sends_every_full_weight_one_at_a_time(tmp_path, tiny_model, 
             continue
         layer = name.removesuffix(".base_layer.weight")
         if layer != name:  # scale 16 / 4: the probe's lora_alpha / r
-            weight = weight + 4.0 * unsharded[f"{layer}.lora_B.default.weight"] @ unsharded[f"{layer}.lora_A.default.weight"]
+            lora_b, lora_a = unsharded[f"{layer}.lora_B.default.weight"], unsharded[f"{layer}.lora_A.default.weight"]
+            weight = weight + 4.0 * lora_b @ lora_a
         expected[name.removeprefix("base_model.model.").replace(".base_layer", "")] = weight
     differences = []
     for mode in ("colocate", "server"):
@@ -228,13 +229,15 @@ def test_fsdp2_push_sends_every_full_weight_one_at_a_time(tmp_path, tiny_model, 
 
 
 def test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused(fake_vllm, tiny_model):
-    sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64, **vllm_options(max_num_batched_tokens=2048))
+    sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
+                          **vllm_options(max_num_batched_tokens=2048))
     assert FakeLLM.last.kwargs["max_num_batched_tokens"] == 2048 and FakeLLM.last.kwargs["tensor_parallel_size"] == 1
     assert not sampler.needs_push  # no sleep mode: the engine keeps the weights it loaded
     for processes, mode in ((3, "colocate"), (2, "server")):
         with pytest.raises(UserError, match=f"--vllm_tensor_parallel_size 2 needs colocate mode and a number of "
                                             f"processes it divides \\(got {mode}, {processes}\\)"):
-            VLLMSampler.check(stand_in_accelerator(processes=processes), **vllm_options(mode=mode, tensor_parallel_size=2))
+            VLLMSampler.check(stand_in_accelerator(processes=processes),
+                              **vllm_options(mode=mode, tensor_parallel_size=2))
 
 
 class SamplingLLM(FakeLLM):
@@ -259,10 +262,10 @@ class SamplingLLM(FakeLLM):
             generator, ids, logprobs, cache = torch.Generator().manual_seed(p.seed), [], [], None
             new = list(prompt["prompt_token_ids"])
             for _ in range(p.max_tokens):
-                out = self.policy(torch.tensor([new]), past_key_values=cache, use_cache=True)
+                out = self.policy(torch.tensor([new]), use_cache=True, **{CACHE: cache})
                 logq = sampling_logprobs(out.logits[0, -1].float() / p.temperature, top_k=max(p.top_k, 0),
                                          top_p=p.top_p, min_p=p.min_p)
-                new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], out.past_key_values
+                new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], getattr(out, CACHE)
                 ids.append(new[0])
                 logprobs.append({new[0]: SimpleNamespace(logprob=logq[new[0]].item())})
                 if new[0] in p.stop_token_ids:
@@ -276,7 +279,8 @@ ONLINE = dict(reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"], t
 
 
 @pytest.mark.parametrize("script, truncation", [("grpo", dict(top_k=2)), ("grpo", dict(top_p=0.5)),
-                                                ("rloo", dict(top_k=2))], ids=["grpo-top_k", "grpo-top_p", "rloo-top_k"])
+                                                ("rloo", dict(top_k=2))],
+                                                ids=["grpo-top_k", "grpo-top_p", "rloo-top_k"])
 def test_truncated_sampling_leaves_the_sampler_ratio_at_one(fake_vllm, monkeypatch, tmp_path, tiny_model, script,
                                                            truncation):
     """Same weights in the trainer and in a stand-in engine that samples with top-k 2 or top-p 0.5 and reports

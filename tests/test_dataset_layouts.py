@@ -103,6 +103,7 @@ def test_a_layout_that_cannot_work_is_one_line(tmp_path, sft_model):
              "rejected": user + [{"role": "assistant", "content": "go"}], "score_chosen": 8.0}] * 4
     path = tmp_path / "uf.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=r"mixes strings \(column 'prompt'\) with lists of messages \(column 'chosen'\)"):
+    with pytest.raises(UserError,
+                       match=r"mixes strings \(column 'prompt'\) with lists of messages \(column 'chosen'\)"):
         reward.main(reward.Args(model_name_or_path=sft_model, dataset_name=str(path), dataset_test_split="",
                                 max_steps=1, output_dir=str(tmp_path / "rm")))

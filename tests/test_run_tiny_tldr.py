@@ -178,7 +178,8 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
         e = evals[policy][policy]
         cells = [c.strip() for c in next(line for line in lines if line.startswith(f"| {title}")).split("|")[2:-1]]
         assert cells[0] == f"**{e['win_rate']:.1%} ± {e['win_rate_ci']:.1%}**", (title, cells[0])
-        assert cells[1:5] == [f"{e['gold_score']:.2f}", f"{e['rm_score']:.2f}", f"{e['kl']:.2f}", f"{e['mean_length']:.1f}"]
+        assert cells[1:5] == [f"{e['gold_score']:.2f}", f"{e['rm_score']:.2f}", f"{e['kl']:.2f}",
+                              f"{e['mean_length']:.1f}"]
         times = [r["time"] for r in read_log(str(tmp_path / "out" / policy)) if "lr" in r]
         assert cells[6].startswith(f"{statistics.median(b - a for a, b in zip(times, times[1:])):.3f} (")
     accuracy = [r["eval_accuracy"] for r in read_log(str(tmp_path / "out" / "reward")) if "eval_accuracy" in r][-1]
@@ -189,8 +190,8 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
 def test_quick_study_writes_its_sections_and_figures(tmp_path):
     results = tmp_path / "results" / "study.md"
     run_script("benchmarks/study_tiny_tldr.py", "--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8",
-               "--seeds", "1", "2", "--kl_scales", "4", "--output_dir", str(tmp_path / "out"), "--results", str(results),
-               timeout=1800)
+               "--seeds", "1", "2", "--kl_scales", "4", "--output_dir", str(tmp_path / "out"),
+               "--results", str(results), timeout=1800)
     text = results.read_text()
     for section in ("## Resolving power", "## KL-reward frontier", "## Over-optimisation"):
         assert section in text

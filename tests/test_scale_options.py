@@ -37,7 +37,8 @@ def test_lora_runs_and_saves_adapters(tmp_path, sft_model, rm_model, script):
     flags = {"reward": ["--per_device_train_batch_size", "4", "--dataset_test_split", ""],
              "grpo": ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
                       "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:short"],
-             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8", "--reward_model_path", rm_model]}[script]
+             "ppo": ["--per_device_train_batch_size", "4", "--response_length", "8",
+                     "--reward_model_path", rm_model]}[script]
     run_script(f"algos/{script}.py", "--model_name_or_path", sft_model, *LORA, "--max_steps", "2", *flags,
                "--output_dir", out)
     assert "adapter_config.json" in os.listdir(out)
@@ -53,9 +54,9 @@ def test_gradient_checkpointing_leaves_the_loss_unchanged_and_bf16_runs(tmp_path
     for name, flags in {"plain": [], "checkpointing": ["--gradient_checkpointing", "--torch_dtype", "float32"],
                         "bf16": ["--bf16"]}.items():
         out = str(tmp_path / name)
-        run_script("algos/sft.py", "--model_name_or_path", sft_model, "--max_steps", "3", "--per_device_train_batch_size", "4",
-                   "--eval_steps", "100", "--num_sample_generations", "0", "--logging_steps", "1",
-                   *flags, "--output_dir", out)
+        run_script("algos/sft.py", "--model_name_or_path", sft_model, "--max_steps", "3",
+                   "--per_device_train_batch_size", "4", "--eval_steps", "100", "--num_sample_generations", "0",
+                   "--logging_steps", "1", *flags, "--output_dir", out)
         losses[name] = [r["loss"] for r in read_log(out) if "loss" in r]
     assert losses["checkpointing"] == pytest.approx(losses["plain"], abs=1e-6)
     assert losses["bf16"] != losses["plain"] and losses["bf16"] == pytest.approx(losses["plain"], rel=0.05)

@@ -64,7 +64,8 @@ def test_degenerate_summaries_score_low():
     good = tiny_tldr.gold_score(PROMPT, " my manager ate my cake, should i move on?")
     repeated = " my manager ate my cake" * 6
     assert tiny_tldr.gold_score(PROMPT, repeated) < good - 2
-    assert tiny_tldr.gold_score(PROMPT, " my manager ate my cake, should i move on?", finished=False) == pytest.approx(good - 3)
+    unfinished = tiny_tldr.gold_score(PROMPT, " my manager ate my cake, should i move on?", finished=False)
+    assert unfinished == pytest.approx(good - 3)
     assert tiny_tldr.gold_score(PROMPT, "") == -5.0
     rambling = " my manager ate my cake. " + "i am so furious. " * 8
     assert tiny_tldr.gold_score(PROMPT, rambling) < good
@@ -89,7 +90,8 @@ def test_datasets_have_the_trl_lib_columns(tiny_task):
             pairs = [json.loads(line) for line in f]
         assert set(pairs[0]) == {"prompt", "chosen", "rejected"}
         # labels come from the human-like labellers, with a little noise; the gold judge agrees less
-        labeller = sum(tiny_tldr.labeller_score(p["prompt"], p["chosen"]) > tiny_tldr.labeller_score(p["prompt"], p["rejected"])
+        labeller = sum(tiny_tldr.labeller_score(p["prompt"], p["chosen"])
+                       > tiny_tldr.labeller_score(p["prompt"], p["rejected"])
                        for p in pairs) / len(pairs)
         gold = sum(tiny_tldr.gold_score(p["prompt"], p["chosen"]) > tiny_tldr.gold_score(p["prompt"], p["rejected"])
                    for p in pairs) / len(pairs)

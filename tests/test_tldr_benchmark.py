@@ -83,7 +83,8 @@ def test_recipe_commands_parse_against_args(recipe, tmp_path):
     calls = [parse_call(argv) for argv in recorded_calls(recipe, tmp_path)]
     scripts = [script for script, _ in calls]
     trained = {os.path.basename(s).removesuffix(".py"): args for s, args in calls if s.startswith("algos/")}
-    assert sorted(trained) == sorted(ALGOS) and len(trained) == len(ALGOS) == sum(s.startswith("algos/") for s in scripts)
+    assert sorted(trained) == sorted(ALGOS)
+    assert len(trained) == len(ALGOS) == sum(s.startswith("algos/") for s in scripts)
     assert scripts[:2] == ["algos/sft.py", "algos/reward.py"]  # the others start from their outputs
 
     size = re.search(r"pythia_(.+)\.sh", recipe).group(1)
@@ -171,7 +172,8 @@ def judged_pairs(requests) -> collections.Counter:
 
 def both_orders(examples) -> collections.Counter:
     return collections.Counter(pair for e in examples for pair in
-                               [(e["summary"].strip(), e["reference"].strip()), (e["reference"].strip(), e["summary"].strip())])
+                               [(e["summary"].strip(), e["reference"].strip()),
+                                (e["reference"].strip(), e["summary"].strip())])
 
 
 def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkeypatch):
@@ -185,8 +187,9 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     out = tmp_path / "judge" / "tiny.json"
     with FakeJudge(lambda a, b: "A") as judge:
-        proc = run_script("benchmarks/judge_tldr.py", "--model_name_or_path", tiny_model, "--dataset_name", tiny_tldr.TINY_SFT_DATA,
-                          "--num_examples", "6", "--max_new_tokens", "8", "--generation_backend", "hf",
+        proc = run_script("benchmarks/judge_tldr.py", "--model_name_or_path", tiny_model,
+                          "--dataset_name", tiny_tldr.TINY_SFT_DATA, "--num_examples", "6", "--max_new_tokens", "8",
+                          "--generation_backend", "hf",
                           "--base_url", judge.url, "--judge_model", "fake-judge", "--num_workers", "3",
                           "--output_file", str(out))
     assert "win rate vs references: 50.0% ± 0.0% (6 prompts" in proc.stdout
@@ -198,7 +201,8 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
 
     # each pair asked exactly twice, the summary first and then the reference first (+ one endpoint check)
     assert len(judge.requests) == 2 * 6 + 1
-    assert {(r["path"], r["auth"], r["model"]) for r in judge.requests} == {("/v1/chat/completions", "Bearer sk-test", "fake-judge")}
+    requests = {(r["path"], r["auth"], r["model"]) for r in judge.requests}
+    assert requests == {("/v1/chat/completions", "Bearer sk-test", "fake-judge")}
     assert judged_pairs(judge.requests) == both_orders(examples)
 
     # the first 6 test prompts, their references, and the policy's greedy summaries
@@ -206,7 +210,8 @@ def test_judge_position_biased_judge_gives_one_half(tiny_model, tmp_path, monkey
         rows = [json.loads(line) for line in f][:6]
     assert [(e["prompt"], e["reference"]) for e in examples] == [(r["prompt"], r["completion"]) for r in rows]
     tokenizer = load_tokenizer(tiny_model)
-    ids = generate(load_policy(tiny_model, tokenizer), tokenizer, [encode_prompt(tokenizer, r["prompt"]) for r in rows], 8,
+    ids = generate(load_policy(tiny_model, tokenizer), tokenizer,
+                   [encode_prompt(tokenizer, r["prompt"]) for r in rows], 8,
                    temperature=0.0).completion_ids
     assert [e["summary"] for e in examples] == tokenizer.batch_decode(ids, skip_special_tokens=True)
 
@@ -256,4 +261,5 @@ def test_judge_errors_are_one_line(tiny_model, monkeypatch):
                            "--base_url", f"http://127.0.0.1:{port}/v1", "--max_retries", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: judge 'gpt-4o-mini-2024-07-18' at http://127.0.0.1:") and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: judge 'gpt-4o-mini-2024-07-18' at http://127.0.0.1:")
+    assert proc.stderr.count("\n") == 1

@@ -39,7 +39,8 @@ def sampler(sft_model):
                        **vllm_options(dtype="float32", enable_sleep_mode=torch.cuda.is_available()))
 
 
-@pytest.mark.parametrize("script, mode", [("grpo", "token_truncate"), ("grpo", "sequence_mask"), ("rloo", "sequence_mask"),
+@pytest.mark.parametrize("script, mode",
+                         [("grpo", "token_truncate"), ("grpo", "sequence_mask"), ("rloo", "sequence_mask"),
                                           ("ppo", "token_mask")])  # each mode once or more, each script once or more
 def test_sampler_correction_with_real_vllm(request, tmp_path, sft_model, script, mode):
     """Runs before the module's engine exists (each run starts its own). In bfloat16 vLLM's kernels and
@@ -79,9 +80,11 @@ def test_truncated_sampling_leaves_the_sampler_ratio_at_one_with_real_vllm(tmp_p
                "tests.toy_rewards:short", "--num_generations", "4", "--max_steps", "2", "--per_device_train_batch_size",
                "8", "--use_vllm", "--torch_dtype", "float32", "--vllm_importance_sampling_cap", "2", *truncation,
                "--output_dir", out)
-    steps = [{k: log[f"sampling/importance_sampling_ratio/{k}"] for k in ("mean", "min", "max")} for log in read_log(out)]
+    steps = [{k: log[f"sampling/importance_sampling_ratio/{k}"] for k in ("mean", "min", "max")}
+             for log in read_log(out)]
     for step, stats in enumerate(steps, 1):
-        print(f"grpo {' '.join(truncation)} float32 step {step}: " + "  ".join(f"{k}={v:.6g}" for k, v in stats.items()))
+        print(f"grpo {' '.join(truncation)} float32 step {step}: "
+              + "  ".join(f"{k}={v:.6g}" for k, v in stats.items()))
     assert len(steps) == 2 and all(abs(s["mean"] - 1) < 1e-3 and s["min"] > 0.9 and s["max"] < 1.1 for s in steps)
 
 
@@ -138,5 +141,6 @@ def test_lora_push_follows_the_adapted_policy(sft_model, sampler):
     sampler.push_weights(policy)
     hf = generate(policy, tokenizer, prompts, **GREEDY).completion_ids
     assert not torch.equal(hf, hf_base)  # the adapters change the completions ...
-    assert torch.equal(sampler.generate(tokenizer, prompts, **GREEDY, seeds=seeds).completion_ids, hf)  # ... and the engine's
+    engine = sampler.generate(tokenizer, prompts, **GREEDY, seeds=seeds).completion_ids
+    assert torch.equal(engine, hf)  # ... and the engine's
     assert all(torch.equal(p, base[n]) for n, p in _hf_parameters(policy))

@@ -34,11 +34,13 @@ with torch.no_grad():
     with unwrapped_for_generation(accelerator, model) as unwrapped:
         calls["on"] = True
         whole = unwrapped(input_ids=ids).logits
-        completion = generate(unwrapped, tokenizer, [ids[0].tolist()] * 2, max_new_tokens=8, temperature=0.0).completion_ids
+        completion = generate(unwrapped, tokenizer, [ids[0].tolist()] * 2, max_new_tokens=8,
+                              temperature=0.0).completion_ids
         calls["on"] = False
     again = model(input_ids=ids).logits  # the hooks are back: a sharded forward still works
 with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as f:
     json.dump({"collectives_while_generating": calls["count"], "tokens": int(completion.shape[1]),
-               "same_logits": bool(torch.allclose(sharded, whole, atol=1e-5) and torch.allclose(again, whole, atol=1e-5))}, f)
+               "same_logits": bool(torch.allclose(sharded, whole, atol=1e-5)
+                                   and torch.allclose(again, whole, atol=1e-5))}, f)
 accelerator.wait_for_everyone()
 accelerator.end_training()  # the gloo group goes down on both ranks together, not in the interpreter's teardown
