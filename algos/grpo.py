@@ -43,7 +43,7 @@ from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler
+from common.vllm import VLLMSampler, importance_weights
 
 
 @dataclass
@@ -226,8 +226,6 @@ class Args:
     """number of processes (set at runtime)"""
     generation_batch_size: int = 0
     """completions per generation batch = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
-    num_steps: int = 0
-    """optimizer steps of the run (set at runtime)"""
 
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
@@ -258,13 +256,15 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 
 
 def overlong_penalty(lengths, max_completion_length: int, buffer_length: int, factor: float = 1.0):
-    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, linear to -factor at L."""
+    """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, to -factor at L."""
     return ((max_completion_length - buffer_length - lengths) / buffer_length).clamp(min=-1, max=0) * factor
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """mask, kept where the entropy reaches the (1 - quantile) quantile of the masked tokens' entropies."""
-    return mask if quantile >= 1 or not mask.any() else mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
+    if quantile >= 1 or not mask.any():
+        return mask
+    return mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
@@ -302,22 +302,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "d
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     return loss, ratio.expand_as(logps)
-
-
-def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
-    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens (mask;
-    others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask zero it outside."""
-    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
-    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
-        log_ratio, real = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1), real.any(-1, keepdim=True)
-    elif mode not in ("token_truncate", "token_mask"):
-        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
-    ratio = torch.exp(log_ratio)
-    outside = (ratio < low) | (ratio > high)
-    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
-    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
-    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
-                                                        masked_fraction=outside[real].float().mean())
 
 
 def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
@@ -363,12 +347,11 @@ def main(args: Args):
     args.run_name = args.run_name or f"grpo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
     args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    sizes = (f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+             f"{args.gradient_accumulation_steps} x {args.world_size} processes")
     if args.num_generations < 2 or args.generation_batch_size % args.num_generations:
-        raise UserError(
-            f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-            f"{args.gradient_accumulation_steps} x {args.world_size} processes = {args.generation_batch_size} completions "
-            f"per generation batch, which must be a multiple of num_generations {args.num_generations} (>= 2)")
-    args.num_steps = args.max_steps
+        raise UserError(f"{sizes} = {args.generation_batch_size} completions per generation batch, which must be a "
+                        f"multiple of num_generations {args.num_generations} (>= 2)")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
@@ -382,12 +365,11 @@ def main(args: Args):
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
+    check_columns(dataset, {"prompt-only": ["prompt"]},
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-                               f"{args.gradient_accumulation_steps} x {args.world_size} processes / num_generations "
-                               f"{args.num_generations}")
+                               f"{sizes} / num_generations {args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
@@ -402,8 +384,8 @@ def main(args: Args):
                     repetition_penalty=args.repetition_penalty, **truncation)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
-                              args.num_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
+                              args.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
     sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
                            **vllm_options) if args.use_vllm else None)
@@ -413,14 +395,15 @@ def main(args: Args):
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
     args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
                       wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
-    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps; {args.generation_batch_size // args.num_generations} "
-                      f"prompts x {args.num_generations} completions per generation batch; rewards: "
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; "
+                      f"{args.generation_batch_size // args.num_generations} prompts x {args.num_generations} "
+                      "completions per generation batch; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     def prompt_batches():
-        """Endless: the global batch's prompts, each num_generations times, then this rank's share (groups span ranks)."""
+        """Endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks)."""
         rng = random.Random(args.seed)
         per_batch = args.generation_batch_size // args.num_generations
         while True:
@@ -435,7 +418,7 @@ def main(args: Args):
         next(prompts_iter)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
-    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
+    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode also gives the sampling seeds
     start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
 
     def draw_batch(first: bool) -> dict:
@@ -455,10 +438,12 @@ def main(args: Args):
                 samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
         c_ids, c_mask = samples.completion_ids, samples.completion_mask
         prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
-                                              completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        completion_ids = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
+        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+                                              columns=columns, completion_ids=completion_ids)
         rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
         if args.missing_eos_penalty is not None:
             rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
@@ -476,8 +461,8 @@ def main(args: Args):
         pool = []  # (informative rows, the batch's rows of all ranks)
         while True:
             batch = {k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items() if v is not None}
-            pool.append((informative_groups(batch["rewards"], args.num_generations).repeat_interleave(args.num_generations),
-                         batch))
+            informative = informative_groups(batch["rewards"], args.num_generations)
+            pool.append((informative.repeat_interleave(args.num_generations), batch))
             if sum(int(keep.sum()) for keep, _ in pool) >= args.generation_batch_size or \
                     len(pool) >= args.max_dynamic_sampling_rounds:
                 break
@@ -489,16 +474,17 @@ def main(args: Args):
     # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
     # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
-    while step < args.num_steps:
+    while step < args.max_steps:
         if rollout is None:
             # ---- ROLLOUT and SCORE: num_generations completions per prompt, from the current policy ----
             batch, draws = draw_batch(first=True), 1
             if args.dynamic_sampling:  # only groups whose rewards differ (every advantage of the others is 0)
                 batch, draws = dynamic_sampling(batch)
-            indices, c_ids, c_mask, rewards = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"], batch["rewards"]
-            finished, per_source = batch["finished"].bool(), dict(zip([n for n, _, _ in sources], batch["per_source"].T))
-            p_ids, p_mask = (t.to(accelerator.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
-            input_ids, attention_mask, prompt_width = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
+            indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
+            rewards, finished = batch["rewards"], batch["finished"].bool()
+            p_ids, p_mask = (t.to(c_ids.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id,
+                                                              "left"))
+            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
             # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
@@ -510,21 +496,23 @@ def main(args: Args):
                 loss_mask = loss_mask * finished[:, None]
             # dapo: normalise by the tokens of the whole global batch; backward() divides by the
             # accumulation steps and DDP averages over processes, so scale to one micro-batch
-            num_items = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1) / (args.gradient_accumulation_steps * args.world_size)
+            tokens = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1)
+            num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
             with torch.no_grad():
                 old_logps = ref_logps = [None] * len(micro)
                 if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], prompt_width,
+                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], p_ids.shape[1],
                                                   args.temperature, **truncation) for s in micro]
                 if args.beta:
                     with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], prompt_width,
+                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], p_ids.shape[1],
                                                       args.temperature, **truncation) for s in micro]
-            rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width,
+            rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=p_ids.shape[1],
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
                               num_items=num_items, old_logps=old_logps, ref_logps=ref_logps,
                               sampler_logps=batch.get("sampler_logps"), rewards=rewards, all_rewards=all_rewards,
-                              per_source=per_source, prompts=[rows[i]["prompt"] for i in indices],
+                              per_source=dict(zip([name for name, _, _ in sources], batch["per_source"].T)),
+                              prompts=[rows[i]["prompt"] for i in indices],
                               texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True), draws=draws)
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
@@ -533,11 +521,12 @@ def main(args: Args):
             with accelerator.accumulate(model):
                 logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
                                                   args.temperature, entropy=True, **truncation)
-                old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1, same gradient
+                old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
                 if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
-                    is_weights, is_stats = vllm_importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
-                        mode=args.vllm_importance_sampling_mode, low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+                    is_weights, is_stats = importance_weights(
+                        old, r.sampler_logps[s], r.completion_mask[s], mode=args.vllm_importance_sampling_mode,
+                        low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
                     corrections.append(is_stats)
                 pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
                 loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
@@ -545,7 +534,8 @@ def main(args: Args):
                                         beta=args.beta, importance_sampling_level=args.importance_sampling_level,
                                         max_completion_length=args.max_completion_length,
                                         num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
-                                        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
+                                        sapo_temperature_pos=args.sapo_temperature_pos,
+                                        sapo_temperature_neg=args.sapo_temperature_neg)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -557,16 +547,14 @@ def main(args: Args):
             with torch.no_grad():
                 mask, a = r.loss_mask[s], r.advantages[s][:, None]
                 tokens = mask.sum().clamp(min=1)
-                low = ((ratio < 1 - args.epsilon) & (a < 0)).float()
-                high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
+                low, high = (ratio < 1 - args.epsilon) & (a < 0), (ratio > 1 + epsilon_high) & (a > 0)
                 stats["loss"] += loss.detach()
                 if args.beta:
                     q = r.ref_logps[m] - logps.detach()
                     stats["kl"] += ((torch.exp(q) - q - 1) * mask).sum() / tokens
                 stats["entropy"] += (entropy * mask).sum() / tokens
-                stats["clip_ratio/low_mean"] += (low * mask).sum() / tokens
-                stats["clip_ratio/high_mean"] += (high * mask).sum() / tokens
-                stats["clip_ratio/region_mean"] += ((low + high) * mask).sum() / tokens
+                for name, clipped in (("low", low), ("high", high), ("region", low | high)):  # exclusive: a < 0, a > 0
+                    stats[f"clip_ratio/{name}_mean"] += (clipped.float() * mask).sum() / tokens
         scheduler.step()
         tracker.step()
         step += 1
@@ -588,7 +576,8 @@ def main(args: Args):
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
             v = accelerator.gather(torch.stack([d[k] for d in corrections]))
-            metrics[f"sampling/importance_sampling_ratio/{k}"] = (v.amin() if k == "min" else v.amax() if k == "max" else v.mean()).item()
+            reduce = {"min": torch.amin, "max": torch.amax}.get(k, torch.mean)
+            metrics[f"sampling/importance_sampling_ratio/{k}"] = reduce(v).item()
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
                                  zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)

@@ -41,7 +41,7 @@ from common.models import (adapt, hint_learning_rate, load_policy, load_reward_m
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler
+from common.vllm import VLLMSampler, importance_weights
 
 
 @dataclass
@@ -260,22 +260,6 @@ def policy_loss(logps, old_logps, advantages, mask, cliprange: float, token_weig
     return loss, masked_mean((clipped > unclipped).float(), mask), masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
 
 
-def vllm_importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
-    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens (mask;
-    others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask zero it outside."""
-    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
-    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
-        log_ratio, real = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1), real.any(-1, keepdim=True)
-    elif mode not in ("token_truncate", "token_mask"):
-        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
-    ratio = torch.exp(log_ratio)
-    outside = (ratio < low) | (ratio > high)
-    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
-    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
-    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
-                                                        masked_fraction=outside[real].float().mean())
-
-
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) (masked mean) and its clip fraction."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
@@ -485,7 +469,7 @@ def main(args: Args):
         # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
         is_weights, is_stats = torch.ones_like(r.old_logps), {}
         if sampler is not None and args.vllm_importance_sampling_cap:
-            is_weights, is_stats = vllm_importance_weights(r.old_logps, r.sampler_logps, r.sampled, mode=args.vllm_importance_sampling_mode,
+            is_weights, is_stats = importance_weights(r.old_logps, r.sampler_logps, r.sampled, mode=args.vllm_importance_sampling_mode,
                                                            low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----

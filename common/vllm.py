@@ -108,6 +108,25 @@ def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
             time.sleep(1)
 
 
+def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
+    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens
+    (mask; others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask
+    zero it outside.
+    Called by grpo, rloo and ppo with their sampling-time logprobs (see each script's UPDATE)."""
+    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
+    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        real = real.any(-1, keepdim=True)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(log_ratio)
+    outside = (ratio < low) | (ratio > high)
+    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
+    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
+    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
+                                                        masked_fraction=outside[real].float().mean())
+
+
 class VLLMSampler:
     """Samples completions for token-id prompts (a seed per completion) and takes new weights. The options
     are the scripts' --vllm_* flags."""
