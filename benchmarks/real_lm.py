@@ -97,7 +97,8 @@ class Args:
     steps: dict[str, int] = field(default_factory=lambda: {
         "sft": 30, "reward": 20, "dpo": 20, "kto": 20, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15})
     """optimizer steps of each script (rollouts for rloo / ppo); grpo_exact and rloo_exact take grpo's and rloo's;
-    sized so that the 2-seed study fits about 90 minutes on 2 cores (README, "Real-model study": how it was estimated)"""
+    sized so that the 2-seed study fits about 90 minutes on 2 cores (how it was estimated: docs/benchmarks.md,
+    "Real-model study")"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 5e-6, "kto": 5e-6, "online_dpo": 5e-6, "rloo": 2e-5, "grpo": 2e-5,
         "ppo": 1e-5})
