@@ -320,7 +320,7 @@ def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch)
 def test_two_machines_without_a_shared_file_system_resume_from_the_same_step(tmp_path):
     """Two machines of one process each (two launches on this host, gloo), each with its own output_dir as
     without a shared file system. Each keeps its own checkpoints; accelerate writes the model, optimizer and
-    scheduler on machine 0 only, so machine 0's step folder is copied over machine 1's (README), with the
+    scheduler on machine 0 only, so machine 0's step folder is copied over machine 1's (docs/checkpoints.md), with the
     newest step on machine 0 alone; `latest` must then resume both from the step both hold, and end where
     an uninterrupted run ended."""
     import socket

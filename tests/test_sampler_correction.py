@@ -113,5 +113,5 @@ def test_the_flags_default_to_no_correction(script):
 
 
 def test_online_dpo_has_no_correction_flags():
-    """Its DPO loss is not importance-weighted (README): a flag that did nothing would mislead."""
+    """Its DPO loss is not importance-weighted (docs/scaling.md): a flag that did nothing would mislead."""
     assert not [f.name for f in dataclasses.fields(online_dpo.Args) if f.name.startswith("vllm_importance")]

@@ -16,7 +16,7 @@
 #     Case Study on TL;DR Summarization": lr 3e-6, cosine, no warmup, 1 epoch; 128 examples (SFT)
 #     or 64 pairs (RM, DPO) per step; DPO beta 0.05.
 #   Online DPO, RLOO, PPO: TRL's documented TL;DR runs, whose judged win rates are the published
-#     anchors at 1B and 6.9B (README), with the same global batches at every size.
+#     anchors at 1B and 6.9B (docs/benchmarks.md), with the same global batches at every size.
 #   KTO, GRPO: no published TL;DR recipe; given the budgets of DPO and of RLOO / PPO (untuned).
 set -euo pipefail
 
