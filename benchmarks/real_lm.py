@@ -357,7 +357,8 @@ def collect(args: Args, seconds: dict) -> dict:
             if name == "reward":
                 result["reward_model"][seed] = {"heldout_pair_accuracy": merged["eval_accuracy"], **timing}
                 continue
-            result["methods"].setdefault(name, {})[seed] = {**load(eval_file(os.path.join(run_dir, name), args)), **timing}
+            evaluation = load(eval_file(os.path.join(run_dir, name), args))
+            result["methods"].setdefault(name, {})[seed] = {**evaluation, **timing}
     for name, runs in result["methods"].items():
         after = [[runs[s]["correct"][q] for s in args.seeds] for q in range(start["n"])]
         change = [[runs[s]["correct"][q] - start["correct"][q] for s in args.seeds] for q in range(start["n"])]
@@ -374,7 +375,8 @@ def markdown(r: dict, args: Args) -> str:
             f"0 | {start['mean_tokens']:.1f} | | {r['stage_seconds']['evaluate_start']:.0f} (evaluation) |"]
     for name in POLICIES:
         per_seed = ", ".join(f"{m[name][seed]['accuracy']:.1%}" for seed in s)
-        rows.append(f"| {TITLES[name]} | **{m[name]['accuracy']:.1%}** ({m[name]['ci95'][0]:.1%} - {m[name]['ci95'][1]:.1%}) "
+        rows.append(f"| {TITLES[name]} | **{m[name]['accuracy']:.1%}** "
+                    f"({m[name]['ci95'][0]:.1%} - {m[name]['ci95'][1]:.1%}) "
                     f"| {per_seed} | {m[name]['change_ci95'][0]:+.1%} to {m[name]['change_ci95'][1]:+.1%}"
                     f"{' (learned)' if m[name]['learned'] else ''} | {mean(name, 'log_ratio_per_token'):.3f} "
                     f"| {mean(name, 'mean_tokens'):.1f} | {mean(name, 'steps'):.0f} x {mean(name, 's_per_step'):.1f} s "
@@ -382,7 +384,10 @@ def markdown(r: dict, args: Args) -> str:
     rm, p = r["reward_model"], r["pairs"]
     rm_accuracy = ", ".join(f"{rm[seed]['heldout_pair_accuracy']:.1%}" for seed in s)
     rm_seconds = statistics.mean(rm[seed]["seconds"] for seed in s)
-    quick = "QUICK MODE (--quick): 2 steps a stage; the numbers only show that the study runs.\n\n" if args.quick else ""
+    quick = ("QUICK MODE (--quick): 2 steps a stage; the numbers only show that the study runs.\n\n" if args.quick
+             else "")
+    header = ("| method | accuracy after (95% CI) | per seed | change vs start (95% CI) | KL to start | length "
+              "| steps x s/step | wall time (s) |")
     return f"""# Every method on SmolLM2-135M-Instruct: mixed arithmetic
 
 {quick}Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min.
@@ -395,18 +400,20 @@ log pi(y_t) - log pi_start(y_t) over the policy's own greedy held-out replies (n
 included. Wall time: training + evaluation of each stage, in seconds (mean over seeds; {args.jobs} stages at a time,
 {args.threads} torch thread(s) each).
 
-| method | accuracy after (95% CI) | per seed | change vs start (95% CI) | KL to start | length | steps x s/step | wall time (s) |
+{header}
 |---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + f"""
 
 Reward model (from the start model, on the pairs): held-out pair accuracy {rm_accuracy}
 (seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}; {p['test_pairs']} pairs), {rm_seconds:.0f} s.
 Pairs: the start model answered {p['questions']} training questions {p['samples'] // p['questions']} times each at
-temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right); {p['questions_with_a_pair']} questions had a right
+temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right); \
+{p['questions_with_a_pair']} questions had a right
 and a wrong answer: {p['train_pairs']} training pairs, {p['test_pairs']} held out ({r['stage_seconds']['pairs']:.0f} s).
 
 Budgets: steps {json.dumps(args.steps)}; learning rates {json.dumps(args.learning_rates)}; every online step
-samples {4 if args.quick else 16} completions (temperature 0.7, at most {args.max_new_tokens} tokens); offline steps take
+samples {4 if args.quick else 16} completions (temperature 0.7, at most {args.max_new_tokens} tokens); \
+offline steps take
 {2 if args.quick else 8} examples, pairs or rows. Figure: `real_lm.png`.
 """
 
@@ -438,7 +445,8 @@ def figure(r: dict, args: Args, path: str) -> None:
 def main(args: Args):
     if args.quick:
         args.steps = {k: 2 for k in args.steps}
-        args.n_test, args.max_new_tokens, args.pair_prompts, args.pair_samples, args.seeds = 8, 16, 32, 4, args.seeds[:1]
+        args.n_test, args.max_new_tokens, args.pair_prompts, args.pair_samples = 8, 16, 32, 4
+        args.seeds = args.seeds[:1]
     if not args.model_name_or_path:
         from benchmarks import smollm2
 
