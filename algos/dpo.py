@@ -366,7 +366,8 @@ def main(args: Args):
     def reference_logps(examples):
         """Reference (chosen, rejected) logps of examples; zeros when reference-free."""
         if args.reference_free:
-            return torch.zeros(len(examples), device=accelerator.device), torch.zeros(len(examples), device=accelerator.device)
+            return (torch.zeros(len(examples), device=accelerator.device),
+                    torch.zeros(len(examples), device=accelerator.device))
         batch = tuple(t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
         with reference(accelerator, model, ref_model) as ref:
             chosen, rejected, _, _ = forward_pairs(ref, batch, mean_logps)
@@ -396,7 +397,8 @@ def main(args: Args):
         train_ref, eval_ref = precompute(train_examples), precompute(eval_examples) if eval_examples else None
         ref_model = None  # frees its memory: only the cached logprobs are needed from now on
         gc.collect()
-        accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; reference model freed")
+        accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; "
+                          "reference model freed")
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
@@ -413,10 +415,11 @@ def main(args: Args):
     def pair_stats(indices, examples, cached_ref, policy, train: bool):
         """Loss and the TRL metrics of one micro-batch of pairs (indices into `examples`)."""
         nonlocal bco_sum, bco_count
-        batch = tuple(t.to(accelerator.device) for t in collate([examples[i] for i in indices], tokenizer.pad_token_id))
-        chosen, rejected, (chosen_counts, rejected_counts), (logits_c, logits_r) = forward_pairs(policy, batch, mean_logps)
-        ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(
-            [examples[i] for i in indices])
+        pairs = [examples[i] for i in indices]
+        batch = tuple(t.to(accelerator.device) for t in collate(pairs, tokenizer.pad_token_id))
+        chosen, rejected, (chosen_counts, rejected_counts), (logits_c, logits_r) = forward_pairs(
+            policy, batch, mean_logps)
+        ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(pairs)
         delta = bco_sum / bco_count if bco_count else 0.0
         losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, beta=args.beta, loss_type=args.loss_type,
                                               label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
@@ -426,7 +429,8 @@ def main(args: Args):
             total = accelerator.reduce(torch.stack([reward_c.sum() + reward_r.sum(), torch.tensor(
                 2.0 * len(indices), device=accelerator.device)]), "sum")
             bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())
-        if args.loss_type == "ipo":  # its loss compares per-token means; the logged rewards stay beta x summed log-ratios
+        # ipo's loss compares per-token means; the logged rewards stay beta x summed log-ratios
+        if args.loss_type == "ipo":
             reward_c, reward_r = reward_c * chosen_counts, reward_r * rejected_counts
         summed_chosen = chosen * chosen_counts if mean_logps else chosen
         nll = -summed_chosen.sum() / chosen_counts.sum()  # RPO: mean NLL per chosen token
@@ -446,7 +450,8 @@ def main(args: Args):
         """Eval metrics over the eval pairs (each process takes a strided share; means over pairs)."""
         model.eval()
         sums, count = None, torch.zeros((), device=accelerator.device)
-        world = accelerator.num_processes  # equal shares (at most world - 1 pairs left out): ZeRO-3 needs every rank in every forward
+        # equal shares (at most world - 1 pairs left out): ZeRO-3 needs every rank in every forward
+        world = accelerator.num_processes
         mine = list(range(len(eval_examples) - len(eval_examples) % world))[accelerator.process_index::world]
         for i in range(0, len(mine), args.per_device_eval_batch_size):
             indices = mine[i:i + args.per_device_eval_batch_size]
@@ -466,7 +471,8 @@ def main(args: Args):
         with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
             if not accelerator.is_main_process:
                 return
-            ids = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens, temperature=0.0).completion_ids
+            ids = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens,
+                           temperature=0.0).completion_ids
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c,
                     "chosen": tokenizer.decode(ch, skip_special_tokens=True)}
                    for (p, ch, _), c in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True))]
@@ -511,9 +517,10 @@ def main(args: Args):
 
         # ---- TR-DPO: pull the reference towards the policy (Gorbatovski et al. 2024, soft update) ----
         if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
+            alpha = args.ref_model_mixup_alpha
             with torch.no_grad():
                 for ref_param, param in zip(ref_model.parameters(), accelerator.unwrap_model(model).parameters()):
-                    ref_param.mul_(1 - args.ref_model_mixup_alpha).add_(param.detach(), alpha=args.ref_model_mixup_alpha)
+                    ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
 
         # ---- LOG ----
         means = (accelerator.reduce(totals, "mean") / args.gradient_accumulation_steps).tolist()

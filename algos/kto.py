@@ -399,7 +399,8 @@ def main(args: Args):
     def evaluate():
         """Eval metrics over the eval rows (each process takes a strided share)."""
         model.eval()
-        world = accelerator.num_processes  # equal shares (at most world - 1 rows left out): ZeRO-3 needs every rank in every forward
+        # equal shares (at most world - 1 rows left out): ZeRO-3 needs every rank in every forward
+        world = accelerator.num_processes
         mine = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
         sums = defaultdict(float)
         for i in range(0, len(mine), args.per_device_eval_batch_size):
@@ -416,7 +417,8 @@ def main(args: Args):
         with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
             if not accelerator.is_main_process:
                 return
-            ids = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens, temperature=0.0).completion_ids
+            ids = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens,
+                           temperature=0.0).completion_ids
         samples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": c}
                    for p, c in zip(prompts, tokenizer.batch_decode(ids, skip_special_tokens=True))]
         tracker.log_samples(samples, step)
@@ -424,12 +426,13 @@ def main(args: Args):
     def micro_batches():
         """Endless shuffled micro-batches: this process's contiguous share of each global micro-batch."""
         rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
-        per_step = args.per_device_train_batch_size * args.world_size
+        per_device = args.per_device_train_batch_size
+        per_step = per_device * args.world_size
         while True:
             order = list(range(len(train_examples)))
             rng.shuffle(order)
             for start in range(0, len(order) - per_step + 1, per_step):
-                share = order[start + accelerator.process_index * args.per_device_train_batch_size:][:args.per_device_train_batch_size]
+                share = order[start + accelerator.process_index * per_device:][:per_device]
                 yield [train_examples[i] for i in share]
 
     batches = micro_batches()
@@ -441,7 +444,8 @@ def main(args: Args):
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         micro = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         z0, ref_logps = torch.zeros((), device=accelerator.device), [None] * len(micro)
-        if args.loss_type == "kto":  # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
+        # the reference point of the whole global batch: mismatched pairs of every micro-batch, all ranks
+        if args.loss_type == "kto":
             kl_ratios, ref_logps = zip(*[kl_logratios(model, reference(accelerator, model, ref_model), m,
                                                       pad_id=tokenizer.pad_token_id, max_length=args.max_length,
                                                       device=accelerator.device) for m in micro])

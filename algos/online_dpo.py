@@ -262,7 +262,8 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     args.num_steps = args.max_steps
     if args.max_new_tokens >= args.max_length:
-        raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt under max_length {args.max_length}")
+        raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
+                        f"under max_length {args.max_length}")
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
         k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
@@ -271,10 +272,12 @@ def main(args: Args):
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
+    check_columns(dataset, {"prompt-only": ["prompt"]},
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x {args.world_size} processes")
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                               f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
@@ -296,7 +299,8 @@ def main(args: Args):
                               args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options) if args.use_vllm else None
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options)
+               if args.use_vllm else None)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
                                 resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
                                 save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
@@ -305,8 +309,9 @@ def main(args: Args):
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
                       wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
-    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions; "
-                      f"ranked by {'judge ' + args.judge if judge else ', '.join(n for n, _, _ in sources)}")
+    ranked_by = "judge " + args.judge if judge else ", ".join(n for n, _, _ in sources)
+    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions;"
+                      f" ranked by {ranked_by}")
 
     def prompt_batches():
         """Endless shuffled micro-batches of this process's share of each global batch (row indices)."""
@@ -350,7 +355,8 @@ def main(args: Args):
                 with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
                     samples = generate(unwrapped, tokenizer, batch_prompt_ids, args.max_new_tokens,
                                        temperature=args.temperature, seeds=seeds)
-            p_ids, p_mask, c_ids, c_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+            p_ids, p_mask = samples.prompt_ids, samples.prompt_mask
+            c_ids, c_mask = samples.completion_ids, samples.completion_mask
             finished = samples.finished
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
@@ -366,8 +372,9 @@ def main(args: Args):
                 scores = judge_scores(picks).to(accelerator.device)
             else:
                 columns = {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"}
-                scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
-                                                     completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+                completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
+                scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+                                                     columns=columns, completion_ids=completion_ids)
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean
                     source_scores[name].append(values.to(accelerator.device))
@@ -427,7 +434,8 @@ def main(args: Args):
                                   "margin": float(pairs.flatten()[rows_c[j]] - pairs.flatten()[rows_r[j]])}
                                  for j in range(min(args.num_sample_generations, len(indices)))], step)
         tracker.log(metrics, step)
-        checkpointer.end_of_step(step, {"episode": episode})  # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+        # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+        checkpointer.end_of_step(step, {"episode": episode})
 
     # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)

@@ -257,14 +257,16 @@ def policy_loss(logps, old_logps, advantages, mask, cliprange: float, token_weig
     ratio = torch.exp(logps - old_logps)
     unclipped, clipped = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
     loss = masked_mean(torch.max(unclipped, clipped) * token_weights, mask)
-    return loss, masked_mean((clipped > unclipped).float(), mask), masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
+    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    return loss, clipfrac, masked_mean(0.5 * (logps - old_logps) ** 2, mask), ratio
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """Clipped value loss 0.5 max((V - R)^2, (V_clip - R)^2) (masked mean) and its clip fraction."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     losses, losses_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
-    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), masked_mean((losses_clipped > losses).float(), mask)
+    clipfrac = masked_mean((losses_clipped > losses).float(), mask)
+    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), clipfrac
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -281,13 +283,15 @@ class PolicyAndValue(torch.nn.Module):
         logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1, share_prefix=False)
         position_ids = real_positions(attention_mask)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids).last_hidden_state
         values = self.value_model.score(hidden[:, prompt_width - 1:-1]).squeeze(-1)
         return logits / temperature, values.float()
 
 
 @torch.no_grad()
-def rollout_pass(model, ref_model, input_ids, attention_mask, *, prompt_width: int, temperature: float, chunk_size: int):
+def rollout_pass(model, ref_model, input_ids, attention_mask, *, prompt_width: int, temperature: float,
+                 chunk_size: int):
     """The rollout's fixed quantities at each response position t (tokens input_ids[:, prompt_width:],
     prompts left-padded to prompt_width), in chunks of rows, without gradients: log pi_old(y_t) and
     log pi_ref(y_t), both from the logits before y_t divided by the sampling temperature, and V(s_t),
@@ -333,7 +337,8 @@ def main(args: Args):
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.rollout_batch_size = local_size * args.world_size
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
-    mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    per_device = args.per_device_train_batch_size
+    mini_size = per_device * args.gradient_accumulation_steps
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
         k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
@@ -342,12 +347,13 @@ def main(args: Args):
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
+    check_columns(dataset, {"prompt-only": ["prompt"]},
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.rollout_batch_size,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-                               f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
-                               f"{args.world_size} processes")
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                               f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
+                               f"{args.num_mini_batches} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
@@ -357,14 +363,16 @@ def main(args: Args):
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path, role="reward model")
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be the policy's")
+        raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be "
+                        "the policy's")
     value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype),
                         gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout,
                         task_type="SEQ_CLS")
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
-    sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights, accelerator)
+    sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
+                                           accelerator)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
@@ -376,7 +384,8 @@ def main(args: Args):
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
     if args.use_vllm:
-        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length, **vllm_options)
+        sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length,
+                              **vllm_options)
     args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
@@ -417,7 +426,8 @@ def main(args: Args):
             with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
                 samples = generate(unwrapped.policy, tokenizer, batch_prompt_ids, args.response_length,
                                    temperature=args.temperature, seeds=seeds)
-        p_ids, p_mask, r_ids, r_mask = samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask
+        p_ids, p_mask = samples.prompt_ids, samples.prompt_mask
+        r_ids, r_mask = samples.completion_ids, samples.completion_mask
         finished = samples.finished
         sampler_logps = torch.zeros(r_ids.shape, device=r_ids.device) if sampler is None else samples.sampler_logps
         sampled = r_mask.float()  # the tokens the sampler drew (and gave logprobs for)
@@ -429,8 +439,8 @@ def main(args: Args):
         input_ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
         prompt_width, mask = p_ids.shape[1], r_mask.float()
         episode += args.rollout_batch_size
-        old_logps, ref_logps, old_values = rollout_pass(model, ref_model, input_ids, attention_mask, prompt_width=prompt_width,
-                                                        temperature=args.temperature,
+        old_logps, ref_logps, old_values = rollout_pass(model, ref_model, input_ids, attention_mask,
+                                                        prompt_width=prompt_width, temperature=args.temperature,
                                                         chunk_size=args.local_rollout_forward_batch_size)
         old_logps, ref_logps, old_values = old_logps * mask, ref_logps * mask, old_values * mask
 
@@ -442,8 +452,9 @@ def main(args: Args):
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(batch_prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)]
         scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,
-                                             columns=columns, completion_ids=[ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)])
+                                             columns=columns, completion_ids=completion_ids)
         scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:
             scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))
@@ -466,11 +477,14 @@ def main(args: Args):
             rewards = whiten(rewards, r.mask, shift_mean=False)
         advantages, returns = gae(rewards, r.old_values, args.gamma, args.lam)
         advantages = whiten(advantages, r.mask)  # N+ detail: advantage whitening over the batch
-        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
+        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly
+        # from the trainer's
         is_weights, is_stats = torch.ones_like(r.old_logps), {}
         if sampler is not None and args.vllm_importance_sampling_cap:
-            is_weights, is_stats = importance_weights(r.old_logps, r.sampler_logps, r.sampled, mode=args.vllm_importance_sampling_mode,
-                                                           low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+            is_weights, is_stats = importance_weights(r.old_logps, r.sampler_logps, r.sampled,
+                                                      mode=args.vllm_importance_sampling_mode,
+                                                      low=args.vllm_importance_sampling_clip_min,
+                                                      high=args.vllm_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
         stats = defaultdict(float)  # name -> sum over micro-batches
@@ -478,14 +492,15 @@ def main(args: Args):
             order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
             for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
                 for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
-                    first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
-                    idx = order[first:first + args.per_device_train_batch_size]
+                    first = start + (micro * args.world_size + accelerator.process_index) * per_device
+                    idx = order[first:first + per_device]
                     m = r.mask[idx]
                     with accelerator.accumulate(model):
                         logits, values = model(r.input_ids[idx], r.attention_mask[idx], prompt_width, args.temperature)
                         logps = token_logprobs(logits, r.response_ids[idx])
                         pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, r.old_logps[idx], advantages[idx], m,
-                                                                            cliprange=args.cliprange, token_weights=is_weights[idx])
+                                                                            cliprange=args.cliprange,
+                                                                            token_weights=is_weights[idx])
                         vf_loss, vf_clipfrac = value_loss(values, r.old_values[idx], returns[idx], m,
                                                           cliprange_value=args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
@@ -520,7 +535,8 @@ def main(args: Args):
                     "objective/rlhf_reward": (all_scores - args.kl_coef * seq_kl).mean().item(),
                     "objective/scores": all_scores.mean().item(),
                     "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
-                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+                    "lr": scheduler.get_last_lr()[0], "episode": episode,
+                    "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:

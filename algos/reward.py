@@ -203,7 +203,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Preference accuracy, loss and mean rewards over the eval pairs (all processes)."""
     model.eval()
     sums = defaultdict(float)  # name -> sum over the pairs
-    world = accelerator.num_processes  # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    world = accelerator.num_processes
     shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
         chosen, rejected, margin = rewards_of(model, collate(shard[i:i + args.per_device_eval_batch_size],
@@ -247,7 +248,8 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model_name_or_path, role="reward model")
     formats = {"preference": ["prompt", "chosen", "rejected"], "implicit prompt": ["chosen", "rejected"]}
     train_split = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")
+    check_columns(train_split, formats,
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to reward.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
     why = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
     if skipped:

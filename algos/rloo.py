@@ -322,10 +322,12 @@ def main(args: Args):
     if args.rloo_k < 2 or args.rollout_batch_size % args.rloo_k:
         raise UserError(
             f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-            f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x {args.world_size} processes "
-            f"= {args.rollout_batch_size} completions per rollout, which must be a multiple of rloo_k {args.rloo_k} (>= 2)")
+            f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x {args.world_size} "
+            f"processes = {args.rollout_batch_size} completions per rollout, which must be a multiple of rloo_k "
+            f"{args.rloo_k} (>= 2)")
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
-    mini_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    per_device = args.per_device_train_batch_size
+    mini_size = per_device * args.gradient_accumulation_steps
 
     vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
         k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
@@ -337,12 +339,13 @@ def main(args: Args):
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
+    check_columns(dataset, {"prompt-only": ["prompt"]},
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-                               f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
-                               f"{args.world_size} processes / rloo_k {args.rloo_k}")
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                               f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
+                               f"{args.num_mini_batches} x {args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
@@ -370,9 +373,10 @@ def main(args: Args):
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
                       wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
-    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} prompts "
-                      f"x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches "
-                      "each; rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} "
+                      f"prompts x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} "
+                      "mini-batches each; rewards: "
+                      + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     def prompt_batches():
         """Endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks)."""
@@ -418,10 +422,12 @@ def main(args: Args):
                 samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
         c_ids, c_mask = samples.completion_ids, samples.completion_mask
         prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
-        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions, columns=columns,
-                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
+        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+                                             columns=columns, completion_ids=completion_ids)
         scores = scores.to(accelerator.device)  # minus the penalty of a missing EOS (the EOS trick)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~samples.finished).float()
@@ -435,7 +441,8 @@ def main(args: Args):
         c_ids, c_mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
         sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device) if sampler is None else samples.sampler_logps
         # the same prompt width on every rank, so that the rollout can be gathered
-        p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id, pad_first=True)
+        p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id,
+                                                 pad_first=True)
         p_mask = accelerator.pad_across_processes(samples.prompt_mask, dim=1, pad_index=0, pad_first=True)
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
@@ -467,11 +474,14 @@ def main(args: Args):
         # update does not depend on how many processes share it
         input_ids, attention_mask, old_logps, sampler_logps = (accelerator.gather(t) for t in (
             input_ids, attention_mask, old_logps, sampler_logps))
-        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly from the trainer's
+        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly
+        # from the trainer's
         is_weights, is_stats = torch.ones_like(old_logps), {}
         if sampler is not None and args.vllm_importance_sampling_cap:
-            is_weights, is_stats = importance_weights(old_logps, sampler_logps, sampled, mode=args.vllm_importance_sampling_mode,
-                                                           low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+            is_weights, is_stats = importance_weights(old_logps, sampler_logps, sampled,
+                                                      mode=args.vllm_importance_sampling_mode,
+                                                      low=args.vllm_importance_sampling_clip_min,
+                                                      high=args.vllm_importance_sampling_cap)
         r = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width, mask=all_mask,
                     old_logps=old_logps, advantages=advantages, is_weights=is_weights)
 
@@ -482,14 +492,15 @@ def main(args: Args):
             order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
             for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
                 for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
-                    first = start + (micro * args.world_size + accelerator.process_index) * args.per_device_train_batch_size
-                    idx = order[first:first + args.per_device_train_batch_size]
+                    first = start + (micro * args.world_size + accelerator.process_index) * per_device
+                    idx = order[first:first + per_device]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, r.input_ids[idx], r.attention_mask[idx], r.prompt_width,
-                                                          args.temperature, entropy=True, **truncation)
+                        logps, entropy = completion_logps(model, r.input_ids[idx], r.attention_mask[idx],
+                                                          r.prompt_width, args.temperature, entropy=True, **truncation)
                         loss, ratio, clipped = rloo_loss(logps, r.old_logps[idx], r.advantages[idx], r.mask[idx],
                                                          cliprange=args.cliprange, token_weights=r.is_weights[idx],
-                                                         loss_type=args.loss_type, sapo_temperature_pos=args.sapo_temperature_pos,
+                                                         loss_type=args.loss_type,
+                                                         sapo_temperature_pos=args.sapo_temperature_pos,
                                                          sapo_temperature_neg=args.sapo_temperature_neg)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                             accelerator.backward(loss)
@@ -520,19 +531,23 @@ def main(args: Args):
         metrics |= {"objective/kl": kl.sum(1).mean().item(),
                     "objective/entropy": (accelerator.reduce(entropy_sum, "sum") / len(all_scores)).item(),
                     "objective/non_score_reward": non_score_reward.mean().item(),
-                    "objective/rlhf_reward": rlhf_reward.nanmean().item(), "objective/scores": all_scores.nanmean().item(),
+                    "objective/rlhf_reward": rlhf_reward.nanmean().item(),
+                    "objective/scores": all_scores.nanmean().item(),
                     "completions/unscored_ratio": 1 - scored.float().mean().item(),
                     "val/num_eos_tokens": accelerator.gather(finished.float()).sum().item(),
-                    "completions/mean_length": all_mask.sum(1).mean().item(), "grad_norm": float("nan" if grad_norm is None else grad_norm),
-                    "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+                    "completions/mean_length": all_mask.sum(1).mean().item(),
+                    "grad_norm": float("nan" if grad_norm is None else grad_norm),
+                    "lr": scheduler.get_last_lr()[0], "episode": episode,
+                    "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in batch["per_source"].items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": p, "completion": t, "score": score} for p, t, score in
-                                 zip(batch["prompts"], batch["texts"], scores.tolist())][:args.num_sample_generations], step)
+            table = [{"prompt": p, "completion": t, "score": score}
+                     for p, t, score in zip(batch["prompts"], batch["texts"], scores.tolist())]
+            tracker.log_samples(table[:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

@@ -168,7 +168,8 @@ def conversation_ids(tokenizer, messages) -> tuple[list[int], list[int]]:
             piece = tokenizer(text, add_special_tokens=False).input_ids
             ids, mask = ids + piece, mask + [learn] * len(piece)
         done = before + turn
-    if messages[-1]["role"] == "assistant" and ids[-1] != tokenizer.eos_token_id:  # the reply ends in EOS, as a completion
+    # the reply ends in EOS, as a completion
+    if messages[-1]["role"] == "assistant" and ids[-1] != tokenizer.eos_token_id:
         ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
     return ids, mask
 
@@ -215,7 +216,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Mean completion-token NLL over the eval examples (all processes)."""
     model.eval()
     nll, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-    world = accelerator.num_processes  # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    # equal shares (at most world - 1 left out): ZeRO-3 needs every rank in every forward
+    world = accelerator.num_processes
     shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
         input_ids, attention_mask, loss_mask = (t.to(accelerator.device) for t in collate(
@@ -233,8 +235,8 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
         return
     rows = [eval_split[i] for i in range(min(args.num_sample_generations, len(eval_split)))]
     # the prompt: as given; a conversation up to its last message; a text's first third
-    prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] if "messages" in r else r["text"][:len(r["text"]) // 3]
-               for r in rows]
+    prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] if "messages" in r
+               else r["text"][:len(r["text"]) // 3] for r in rows]
     with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
         if not accelerator.is_main_process:
             return
@@ -260,7 +262,8 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model_name_or_path)
     train_split = load_split(args.dataset_name, args.dataset_train_split)
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"], "language modelling": ["text"]}
-    check_columns(train_split, formats, f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
+    check_columns(train_split, formats,
+                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to sft.py,")
     train_examples, skipped = tokenize(train_split, tokenizer, args.max_length)
     if skipped:
         accelerator.print(f"skipped {skipped} of {len(train_split)} training rows with no token to learn within "
@@ -322,7 +325,8 @@ def main(args: Args):
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step over gradient_accumulation_steps micro-batches ----
-        micro = [tuple(t.to(accelerator.device) for t in next(batches)) for _ in range(args.gradient_accumulation_steps)]
+        micro = [tuple(t.to(accelerator.device) for t in next(batches))
+                 for _ in range(args.gradient_accumulation_steps)]
         local_tokens = sum(loss_mask[:, 1:].sum() for _, _, loss_mask in micro)
         global_tokens = accelerator.reduce(local_tokens.float(), "sum")
         # backward() divides by gradient_accumulation_steps and DDP averages over processes: undo both

@@ -265,8 +265,9 @@ def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
 
     def rank(i):
         this.rank = StandInRank(i, barrier, board)
+        output_dir = str(tmp_path / ("shared" if shared else f"machine{i // 2}"))
         try:
-            return work(Checkpointer(this.rank, None, output_dir=str(tmp_path / ("shared" if shared else f"machine{i // 2}")),
+            return work(Checkpointer(this.rank, None, output_dir=output_dir,
                                      run_name="r", save_steps=1, skip_nonfinite_steps=False,
                                      **{"resume_from": None, "save_total_limit": 2, **kw}), this.rank)
         except UserError as e:
@@ -312,7 +313,8 @@ def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch)
         shutil.rmtree(tmp_path / "machine0" / "checkpoints" / step)  # machine 0: step 3, machine 1: 1-2
     errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
     assert all(isinstance(e, UserError) for e in errors)
-    assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{tmp_path / 'machine0' / 'checkpoints'}'"
+    checkpoints = tmp_path / "machine0" / "checkpoints"
+    assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{checkpoints}'"
                               " is on every machine (this one has step_3)")
 
 
@@ -335,8 +337,9 @@ def test_two_machines_without_a_shared_file_system_resume_from_the_same_step(tmp
         procs = [subprocess.Popen(
             [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2", "--machine_rank",
              str(m), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-             "--mixed_precision", "no", "--dynamo_backend", "no", "algos/sft.py", "--max_steps", "4", "--save_steps", "2",
-             "--dataset_test_split", "", "--logging_steps", "1", "--run_name", "r", "--output_dir", str(out), *extra],
+             "--mixed_precision", "no", "--dynamo_backend", "no",
+             "algos/sft.py", "--max_steps", "4", "--save_steps", "2", "--dataset_test_split", "",
+             "--logging_steps", "1", "--run_name", "r", "--output_dir", str(out), *extra],
             cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "ACCELERATE_USE_CPU": "true"}) for m, (out, *extra) in enumerate(outs_and_extra)]
         try:

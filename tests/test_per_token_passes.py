@@ -124,8 +124,8 @@ def test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_
     prompts, completions = PROMPTS[1:], COMPLETIONS[1:]  # PPO: one sample per prompt
     input_ids, attention_mask, width = left_padded(prompts, completions, tokenizer.pad_token_id)
     model = ppo.PolicyAndValue(policy, value_model)
-    old, ref_logps, values = ppo.rollout_pass(model, ref, input_ids, attention_mask, prompt_width=width, temperature=TEMPERATURE,
-                                         chunk_size=2)
+    old, ref_logps, values = ppo.rollout_pass(model, ref, input_ids, attention_mask, prompt_width=width,
+                                              temperature=TEMPERATURE, chunk_size=2)
     backbone = getattr(value_model, value_model.base_model_prefix)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         torch.testing.assert_close(old[i, :len(c)], own_logprobs(policy, p, c, TEMPERATURE), atol=2e-5, rtol=0)
