@@ -113,6 +113,20 @@ PAIRS = [{"prompt": "TITLE: my cat\n\nPOST: she ate my cake again\n\nTL;DR:", "c
           "rejected": " my rent went up"}]
 
 
+def online_first_step(monkeypatch, module, args, model_path: str, prefix: str = ""):
+    """An online script's first step on fixed samples, with a perturbed reference: (its gradient record, the
+    tokenizer, the policy at the recorded weights (`prefix`: where they sit in the saved state), the reference,
+    and the samples' prompts, completions and finished flags)."""
+    from common.models import load_tokenizer
+
+    loaded, calls = perturbed_reference(monkeypatch, module), fixed_samples(monkeypatch, module)
+    (record,) = gradients_before_clipping(monkeypatch, module.main, args)
+    tokenizer = load_tokenizer(model_path)
+    (prompts, completions, finished), = calls
+    policy = policy_with(model_path, tokenizer, weights_of(record, prefix))
+    return record, tokenizer, policy, loaded[1], prompts, completions, finished
+
+
 def write_splits(path, rows) -> str:
     """`rows` as the train and validation splits of a data folder (its path)."""
     path.mkdir()

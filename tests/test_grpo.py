@@ -307,17 +307,11 @@ def test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows(t
     k3 term's is not 0 because the reference is perturbed; both are summed over the scored rows' tokens
     only and divided by their count. Each term is checked: a vanished policy gradient fails, and so does
     an unscored row let back into the KL term (or into the token count)."""
-    from common.models import load_tokenizer
-    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
-                                  own_logprobs, perturbed_reference, policy_with, weights_of)
-    loaded, calls = perturbed_reference(monkeypatch, grpo), fixed_samples(monkeypatch, grpo)
+    from tests.first_step import assert_gradient, gradient, grads_of, online_first_step, own_logprobs
     args = grpo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
                      reward_funcs=["tests.toy_rewards:short_or_none"],
                      per_device_train_batch_size=16, max_completion_length=8, output_dir=str(tmp_path / "grpo"))
-    (record,) = gradients_before_clipping(monkeypatch, grpo.main, args)
-    tokenizer = load_tokenizer(tiny_model)
-    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
-    (prompts, completions, _), = calls
+    record, tokenizer, policy, ref, prompts, completions, _ = online_first_step(monkeypatch, grpo, args, tiny_model)
     # short_or_none: -(words), None for an odd number of words; A = (r - mean) / (std + 1e-4) over each
     # group's scored rows (sample std), 0 for the unscored
     words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]

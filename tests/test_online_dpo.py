@@ -73,17 +73,12 @@ def test_default_first_step_gradient_against_the_loss_written_out(tmp_path, tiny
     sum over ranked pairs of -log sigmoid(beta h) / pairs, chosen = the higher score (ties: the first),
     every sequence scored alone here at temperature 1; a pair with an unscored completion adds nothing but
     counts in the mean. The chosen and the rejected parts are each checked."""
-    from common.models import load_tokenizer
-    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
-                                  own_logprobs, perturbed_reference, policy_with, weights_of)
-    loaded, calls = perturbed_reference(monkeypatch, online_dpo), fixed_samples(monkeypatch, online_dpo)
+    from tests.first_step import assert_gradient, gradient, grads_of, online_first_step, own_logprobs
     args = online_dpo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
                            reward_funcs=["tests.toy_rewards:short_or_none"],
                            per_device_train_batch_size=8, max_new_tokens=8, output_dir=str(tmp_path / "odpo"))
-    (record,) = gradients_before_clipping(monkeypatch, online_dpo.main, args)
-    tokenizer = load_tokenizer(tiny_model)
-    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
-    (prompts, completions, _), = calls
+    record, tokenizer, policy, ref, prompts, completions, _ = online_first_step(monkeypatch, online_dpo, args,
+                                                                                tiny_model)
     words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
     scores = [None if w % 2 else -float(w) for w in words]  # short_or_none
     beta, n_pairs, ranked = args.beta[0], len(completions) // 2, 0

@@ -113,23 +113,20 @@ def test_default_first_step_gradient_against_gae_and_whitening_written_out(tmp_p
     from transformers import AutoModelForSequenceClassification
 
     from common.models import load_tokenizer
-    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
-                                  own_logprobs, perturbed_reference, policy_with, weights_of)
+    from tests.first_step import (assert_gradient, gradient, grads_of, online_first_step, own_logprobs,
+                                  weights_of)
     rm = str(tmp_path / "rm")  # the value model starts from it; at weight 0 a toy reward decides
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(rm)
     load_tokenizer(tiny_model).save_pretrained(rm)
-    loaded, calls = perturbed_reference(monkeypatch, ppo), fixed_samples(monkeypatch, ppo)
     args = ppo.Args(model_name_or_path=tiny_model, reward_model_path=rm, reward_funcs=["tests.toy_rewards:short"],
                     reward_weights=[0.0, 1.0], per_device_train_batch_size=8, response_length=8,
                     output_dir=str(tmp_path / "ppo"))
-    (record,) = gradients_before_clipping(monkeypatch, ppo.main, args)
-    tokenizer = load_tokenizer(tiny_model)
-    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record, "policy.")), loaded[1]
+    record, tokenizer, policy, ref, prompts, completions, finished = online_first_step(monkeypatch, ppo, args,
+                                                                                        tiny_model, "policy.")
     value_model = AutoModelForSequenceClassification.from_pretrained(rm).eval()
     value_model.load_state_dict(weights_of(record, "value_model."))
     backbone = getattr(value_model, value_model.base_model_prefix)
-    (prompts, completions, finished), = calls
     assert 0 < sum(finished) < len(finished) and min(map(len, completions)) < args.response_length  # padding after EOS
     gamma, lam, tokens = args.gamma, args.lam, sum(map(len, completions))
     logps, values, advantages = [], [], []

@@ -141,18 +141,12 @@ def test_first_step_gradient_against_the_advantages_written_out(tmp_path, tiny_m
     the KL penalty's part are each checked. token_level_kl_whitened (--token_level_kl
     --normalize_advantages): A_it = return-to-go minus the leave-one-out mean of the others' whole
     returns, whitened over the scored rows' real tokens only (no padding, no unscored row)."""
-    from common.models import load_tokenizer
-    from tests.first_step import (assert_gradient, fixed_samples, gradient, gradients_before_clipping, grads_of,
-                                  own_logprobs, perturbed_reference, policy_with, weights_of)
-    loaded, calls = perturbed_reference(monkeypatch, rloo), fixed_samples(monkeypatch, rloo)
+    from tests.first_step import assert_gradient, gradient, grads_of, online_first_step, own_logprobs
     args = rloo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
                      reward_funcs=["tests.toy_rewards:short_or_none"],
                      per_device_train_batch_size=12, max_completion_length=8, token_level_kl=token_level,
                      normalize_advantages=token_level, output_dir=str(tmp_path / "rloo"))
-    (record,) = gradients_before_clipping(monkeypatch, rloo.main, args)
-    tokenizer = load_tokenizer(tiny_model)
-    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
-    (prompts, completions, _), = calls
+    record, tokenizer, policy, ref, prompts, completions, _ = online_first_step(monkeypatch, rloo, args, tiny_model)
     assert len({len(c) for c in completions}) > 1  # padding in the batch
     words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
     scores = [None if w % 2 else -float(w) for w in words]  # short_or_none
