@@ -61,11 +61,11 @@ class SeededSampler(LogitsProcessor):
     Each row's uniforms are drawn up front; a step picks every row's token by inverse CDF (a multinomial
     call per row and token cost 16x more on the tiny model)."""
 
-    def __init__(self, seeds: list[int], device, *, temperature: float, max_new_tokens: int, **truncation):
-        """truncation: truncate_scores's top_k, top_p, min_p."""
+    def __init__(self, seeds: list[int], device, *, temperature: float, top_k: int, top_p: float, min_p: float,
+                 max_new_tokens: int):
         self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator(device).manual_seed(s),
                                                 device=device) for s in seeds])
-        self.step, self.temperature, self.truncation = 0, temperature, truncation
+        self.step, self.temperature, self.truncation = 0, temperature, dict(top_k=top_k, top_p=top_p, min_p=min_p)
 
     def __call__(self, input_ids, scores):
         scores = truncate_scores(scores / self.temperature, **self.truncation)
