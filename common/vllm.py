@@ -141,24 +141,22 @@ class VLLMSampler:
             self.generation_config = config
         if mode == "server":
             self.url, workers = wait_for_server(server_host, server_port, server_timeout)
-            from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
-            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                                      NCCLTrainerWeightTransferEngine)
+            from vllm.distributed.weight_transfer import base, clients, nccl_engine
 
-            class Source(ModuleSource):  # full (gathered, merged) parameters under their HF names
+            class Source(base.ModuleSource):  # full (gathered, merged) parameters under their HF names
                 def metadata(self):  # shapes without gathering (ds_shape: the full shape under ZeRO-3)
-                    return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    return [base.ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
                             for n, p in _hf_parameters(accelerator.unwrap_model(self._module))]
 
                 def __iter__(self):
                     return _full_parameters(accelerator, self._module)
 
             # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
-            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_port=group_port, world_size=1 + workers,
-                                       master_address=group_host or address_towards(server_host, server_port))
-            self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
+            info = nccl_engine.NCCLTrainerInitInfo(
+                rank=accelerator.process_index, master_port=group_port, world_size=1 + workers,
+                master_address=group_host or address_towards(server_host, server_port))
+            self.transfer = lambda model: nccl_engine.NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=clients.HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: in-place weights
