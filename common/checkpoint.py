@@ -20,13 +20,12 @@ from common.runtime import UserError
 def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None = None):
     """Model + tokenizer (with LoRA the adapters), written aside and renamed into place, so a crash never
     leaves a half-written file. On every process (a sharded model is gathered); `part`: one submodule."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards; all ranks take part
-    unwrapped = accelerator.unwrap_model(model)
-    if part:
-        unwrapped = getattr(unwrapped, part)
-        if state_dict is not None:  # ZeRO-3 gathers it on the main process only
-            state_dict = {k.removeprefix(part + "."): v for k, v in state_dict.items() if k.startswith(part + ".")}
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards (to the main process); all ranks take part
     if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        if part:
+            unwrapped = getattr(unwrapped, part)
+            state_dict = {k.removeprefix(part + "."): v for k, v in state_dict.items() if k.startswith(part + ".")}
         tmp = os.path.join(output_dir, ".saving")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -39,8 +38,9 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
 
 
 # what DeepSpeed (0.19) pickles into its optimizer files besides data: plain classes, safe to rebuild
-DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler:LossScaler", "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
-                     "deepspeed.runtime.zero.config:ZeroStageEnum", "deepspeed.utils.tensor_fragment:fragment_address")
+DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler:LossScaler", "deepspeed.runtime.zero.config:ZeroStageEnum",
+                     "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+                     "deepspeed.utils.tensor_fragment:fragment_address")
 
 
 class Checkpointer:
@@ -83,15 +83,16 @@ class Checkpointer:
                 raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'" + (self.saved() and
                                 f" is on every machine (this one has {', '.join(self.saved())})" or ""))
             path = os.path.join(self.root, max(everywhere, key=lambda d: int(d[5:])))
-        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
-        if missing := [r for r, ok in enumerate(gather_object([os.path.isfile(rank_file)])) if not ok]:  # all ranks stop
+        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")  # one missing: all ranks stop
+        if missing := [r for r, ok in enumerate(gather_object([os.path.isfile(rank_file)])) if not ok]:
             raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
                             f"process(es) (no loop_state_{missing[0]}.pt)")
         # no file of a checkpoint may run code: torch's weights-only unpickler also where accelerate (the
         # registered scheduler) and DeepSpeed would unpickle in full
+        deepspeed_classes = [pkgutil.resolve_name(c) for c in DEEPSPEED_CLASSES] if self.engine else []
         try:
             with (mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="0"),
-                  torch.serialization.safe_globals([pkgutil.resolve_name(c) for c in DEEPSPEED_CLASSES if self.engine])):
+                  torch.serialization.safe_globals(deepspeed_classes)):
                 state = torch.load(rank_file, weights_only=True)
                 if state["world_size"] != self.accelerator.num_processes:
                     raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")

@@ -28,8 +28,7 @@ def load_split(name: str, split: str) -> Dataset:
     try:
         if os.path.isfile(name):
             splits = load_dataset(builder, data_files={"train": name})
-        elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
-                                         for f in ("dataset_dict.json", "dataset_info.json")):
+        elif any(os.path.exists(os.path.join(name, f)) for f in ("dataset_dict.json", "dataset_info.json")):
             splits = load_from_disk(name)
         else:
             splits = load_dataset(name)
@@ -39,9 +38,8 @@ def load_split(name: str, split: str) -> Dataset:
         if "corresponds to no data" in first_line or isinstance(e, StopIteration):
             raise UserError(f"dataset '{name}' has an empty split ({first_line or 'its data files hold no rows'}); "
                             "add rows, or choose another split with the *_split flags") from None
-        raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {first_line}); "
-                        "pass a hub dataset name, a local dataset directory, or a "
-                        ".json/.jsonl/.parquet/.csv file") from None
+        raise UserError(f"could not load dataset '{name}' ({type(e).__name__}: {first_line}); pass a hub dataset "
+                        "name, a local dataset directory, or a .json/.jsonl/.parquet/.csv file") from None
     if isinstance(splits, Dataset):
         splits = DatasetDict({"train": splits})
     if split not in splits:
@@ -102,27 +100,23 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
                         "conversational (messages)")
 
 
-def _check_chat_template(tokenizer):
-    if not tokenizer.chat_template:
-        raise UserError(f"the dataset is conversational (lists of messages) but "
-                        f"{getattr(tokenizer, 'described', 'the tokenizer')} has no chat template; use a tokenizer "
-                        "with one, or standard (string) data")
-
-
 def prompt_text(tokenizer, prompt) -> str:
     """A string as is, or messages through the chat template, ready for the assistant's turn."""
     if not is_conversational(prompt):
         return prompt
-    _check_chat_template(tokenizer)
+    if not tokenizer.chat_template:
+        raise UserError(f"the dataset is conversational (lists of messages) but "
+                        f"{getattr(tokenizer, 'described', 'the tokenizer')} has no chat template; use a tokenizer "
+                        "with one, or standard (string) data")
     return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
 
 
 def completion_text(tokenizer, prompt, completion) -> str:
-    """The completion as text; for messages, what the chat template adds after the prompt."""
+    """The completion as text; for messages (after messages: `check_text_fields` refuses a mix), what the chat
+    template adds after the prompt."""
     if not is_conversational(completion):
         return completion
-    _check_chat_template(tokenizer)
-    before = prompt_text(tokenizer, prompt)
+    before = prompt_text(tokenizer, prompt)  # checks the chat template
     full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full.startswith(before):
         raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders the prompt "
@@ -153,8 +147,7 @@ def split_implicit_prompt(chosen, rejected):
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """Prompt ids; special tokens (BOS) added for plain text only: a chat template writes its own."""
-    return tokenizer(prompt_text(tokenizer, prompt),
-                     add_special_tokens=not is_conversational(prompt)).input_ids
+    return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=not is_conversational(prompt)).input_ids
 
 
 def encode_completion(tokenizer, prompt, completion) -> list[int]:

@@ -133,7 +133,9 @@ def unwrapped_for_generation(accelerator, model, gather: bool = True):
     model too large to gather) decodes sharded: every rank must generate, and HF keeps them in step.
     FSDP2 likewise: every sharded module gathered, and not freed after each forward while inside."""
     unwrapped = accelerator.unwrap_model(model)
-    if accelerator.is_fsdp2 and gather:
+    if not gather or not (accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3):
+        yield unwrapped
+    elif accelerator.is_fsdp2:
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         model._get_fsdp_state()._lazy_init()  # the root first (PPO generates with a submodule); private API
         for module in sharded:
@@ -146,35 +148,31 @@ def unwrapped_for_generation(accelerator, model, gather: bool = True):
                 module.reshard()
             model.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward)
             model.set_reshard_after_forward(False, recurse=False)  # FSDP2 never reshards the root after forward
-        return
-    if deepspeed_stage(accelerator) != 3 or not gather:
-        yield unwrapped
-        return
-    import deepspeed
-    from deepspeed.runtime.zero import parameter_offload
+    else:
+        import deepspeed
+        from deepspeed.runtime.zero import parameter_offload
 
-    offload = model.optimizer.parameter_offload  # the engine's ZeRO-3 optimizer holds the hooks
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        for param in model.parameters():
-            param.ds_active_sub_modules.clear()  # else the exit would keep them gathered
-        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
-            hook.remove()  # the pre-hook too: it checks, with a broadcast, that all ranks run alike
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield unwrapped
-        finally:
-            offload.setup_zero_stage3_hooks()
-            parameter_offload.FWD_MODULE_STACK.pop()  # the setup pushes the module a second time
+        offload = model.optimizer.parameter_offload  # the engine's ZeRO-3 optimizer holds the hooks
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            for param in model.parameters():
+                param.ds_active_sub_modules.clear()  # else the exit would keep them gathered
+            # every hook, the pre-hook too: it checks, with a broadcast, that all ranks run alike
+            offload._remove_module_hooks()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield unwrapped
+            finally:
+                offload.setup_zero_stage3_hooks()
+                parameter_offload.FWD_MODULE_STACK.pop()  # the setup pushes the module a second time
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, **truncation) -> torch.Tensor:
     """log q(labels[t]) ([B, T, V] -> [B, T]), q the distribution sampling drew from: softmax(logits[t] /
-    temperature) over the tokens top-k / top-p / min-p keep (`truncate_scores`), renormalised over them, as
+    temperature) over the tokens truncation's top_k / top_p / min_p keep (`truncate_scores`), renormalised over them, as
     vLLM's processed logprobs; the label always counts as kept (moved weights or the reference may rank it out).
     A chunk of positions at a time, the backward recomputing their softmax: an fp32 copy exists only of
     one chunk (of a 150k vocabulary x 2 x 1024 positions it would be 1.2 GB, kept for backward)."""
-    return _SelectiveLogSoftmax.apply(logits, labels, temperature, dict(top_k=top_k, top_p=top_p, min_p=min_p))
+    return _SelectiveLogSoftmax.apply(logits, labels, temperature, truncation)
 
 
 def _chunks(logits, elements: int = 2**21):
@@ -241,11 +239,10 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
     when length is 0 or there is no cache (gradient checkpointing in training): the caller runs whole
     rows. Every process makes the same model calls whatever its data (DDP and ZeRO-3 communicate in each)."""
     inner = getattr(model, "module", model)  # under DDP / DeepSpeed: the wrapped model
-    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5.23; older:
-    if checkpointing is None:
-        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
+    # checkpointing: transformers' is_activation_checkpointing (is_gradient_checkpointing before 5.23) written out;
     # FSDP2 regathers weights for backward through module outputs only, and a cache is none
-    if inner.training and checkpointing or torch.is_grad_enabled() and isinstance(inner, FSDPModule):
+    checkpointing = inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules())
+    if checkpointing or torch.is_grad_enabled() and isinstance(inner, FSDPModule):
         return None
     if length <= 0:  # nothing to share (one-token prompts); a call all the same, as other ranks make one
         with torch.no_grad():
@@ -255,8 +252,8 @@ def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs)
                                    return_inverse=True)
     first = owner.new_zeros(len(prefixes)).scatter_(0, owner, torch.arange(len(owner), device=owner.device))
     ids, mask = input_ids[first, :length], attention_mask[first, :length]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=real_positions(mask), use_cache=True,
-                **kwargs)  # kwargs: logits_to_keep=1 for a causal LM
+    # kwargs: logits_to_keep=1 for a causal LM
+    out = model(input_ids=ids, attention_mask=mask, position_ids=real_positions(mask), use_cache=True, **kwargs)
     cache = getattr(out, CACHE, None)
     if cache is not None:  # None: a model that keeps no cache
         cache.batch_select_indices(owner)

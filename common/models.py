@@ -38,9 +38,8 @@ def _load_model(cls, name_or_path: str, tokenizer, dtype: str, role: str, **kwar
     """The model in `dtype` (auto: the checkpoint's), the tokenizer's pad id in its (generation) config."""
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     model = _from_pretrained(cls, name_or_path, f"the {role}", dtype=dtype, **kwargs)
-    for config in (model.config, getattr(model, "generation_config", None)):
-        if config is not None:
-            config.pad_token_id = tokenizer.pad_token_id
+    for config in filter(None, (model.config, getattr(model, "generation_config", None))):  # a classifier has none
+        config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
@@ -85,9 +84,9 @@ def adapt(model, *, gradient_checkpointing: bool = False, lora: dict | None = No
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise UserError("--use_peft needs peft: pip install 'minimal-post-training[peft]'") from None
-        targets = lora["target_modules"]
-        model = get_peft_model(model, LoraConfig(task_type=task_type, **{
-            **lora, "target_modules": targets[0] if targets == ["all-linear"] else targets}))
+        # peft takes the shorthand as a string only
+        lora = {**lora, "target_modules": "all-linear"} if lora["target_modules"] == ["all-linear"] else lora
+        model = get_peft_model(model, LoraConfig(task_type=task_type, **lora))
     if no_dropout:  # after LoRA, so lora_dropout goes too
         disable_dropout(model)
     return model
@@ -121,8 +120,7 @@ def reference(accelerator, model, ref_model):
 
 
 def deepspeed_stage(accelerator) -> int | None:
-    plugin = accelerator.state.deepspeed_plugin
-    return None if plugin is None else plugin.zero_stage
+    return getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
 
 
 _frozen_engines = []  # DeepSpeed engines of frozen models, kept alive for their parameter hooks
@@ -140,8 +138,7 @@ def prepare_frozen(accelerator, model):
     import deepspeed
     trained = accelerator.state.deepspeed_plugin.deepspeed_config
     config = {"train_micro_batch_size_per_gpu": trained["train_micro_batch_size_per_gpu"],
-              "bf16": {"enabled": trained.get("bf16", {}).get("enabled", False) is True},
-              "fp16": {"enabled": trained.get("fp16", {}).get("enabled", False) is True},
+              **{k: {"enabled": trained.get(k, {}).get("enabled", False) is True} for k in ("bf16", "fp16")},
               "zero_optimization": {"stage": 3 if stage == 3 else 0}}
     engine = deepspeed.initialize(model=model, config=config)[0]
     _frozen_engines.append(engine)

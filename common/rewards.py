@@ -22,8 +22,7 @@ def load_reward_sources(model_paths: list[str], function_specs: list[str], weigh
         tokenizer = load_tokenizer(path, role=f"reward model {i}")
         model = prepare_frozen(accelerator, load_reward_model(path, tokenizer, role=f"reward model {i}"))
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
-    for spec in function_specs:
-        sources.append((spec.partition(":")[2], import_function(spec), None))
+    sources += [(spec.partition(":")[2], import_function(spec), None) for spec in function_specs]
     if not sources:
         raise UserError("no reward: pass --reward_model_paths and/or --reward_funcs")
     weights = [1.0] * len(sources) if weights is None else list(weights)

@@ -35,11 +35,10 @@ def exit_on_user_error():
             sys.exit(2)
         if rank:  # one process alone: its traceback is enough
             why = str(e).lower()
-            print(f"{rank}error: {type(e).__name__}: {str(e)[:300]}" + (
-                "; this process waited longer than --ddp_timeout for the others: one failed (see its error) or "
-                "hangs; raise --ddp_timeout if a step can take that long" if "timed out" in why else
-                "; another process ended first: see its error" if "peer" in why else " (traceback below)"),
-                file=sys.stderr, flush=True)
+            hint = ("; this process waited longer than --ddp_timeout for the others: one failed (see its error) or "
+                    "hangs; raise --ddp_timeout if a step can take that long" if "timed out" in why else
+                    "; another process ended first: see its error" if "peer" in why else " (traceback below)")
+            print(f"{rank}error: {type(e).__name__}: {str(e)[:300]}{hint}", file=sys.stderr, flush=True)
         raise
 
 
@@ -55,9 +54,8 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "learning_rate", "max_grad_norm", "num_train_epochs", "eval_steps", "max_length", "max_prompt_length",
             "max_completion_length", "max_new_tokens", "response_length", "num_iterations", "num_ppo_epochs",
             "num_mini_batches", "local_rollout_forward_batch_size", "ref_model_sync_steps", "lora_r", "lora_alpha",
-            "temperature", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg",
-            "max_dynamic_sampling_rounds", "ddp_timeout", "vllm_tensor_parallel_size",
-            "vllm_max_num_batched_tokens")
+            "temperature", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg", "ddp_timeout",
+            "max_dynamic_sampling_rounds", "vllm_tensor_parallel_size", "vllm_max_num_batched_tokens")
 
 
 def check_positive(flags: dict):

@@ -11,18 +11,13 @@ from tqdm.auto import tqdm
 
 from common.data import is_conversational
 
-# the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
-TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
-
 
 class Tracker:
     def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
                  total_steps: int, start_step: int = 0, wandb_project: str | None = None,
                  wandb_entity: str | None = None):
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
-        self.main = accelerator.is_main_process
-        self.every = max(1, logging_steps)
-        self.start = time.time()
+        self.main, self.every, self.start = accelerator.is_main_process, max(1, logging_steps), time.time()
         # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
         # lines print either way
         self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
@@ -69,8 +64,7 @@ class Tracker:
                 self.bar.write(f"[{i}] {key:>10}: {text[-300:] if key == 'prompt' else text}")
         if self.wandb is not None:
             import wandb
-            self.wandb.log({title: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                           step=step)
+            self.wandb.log({title: wandb.Table(columns=list(rows[0]), data=[[*r.values()] for r in rows])}, step=step)
 
     def step(self, n: int = 1):
         self.bar.update(n)

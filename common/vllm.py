@@ -37,11 +37,6 @@ def _hf_parameters(model):
         yield name, param
 
 
-def _full(tensor):
-    """Under FSDP2 a weight is a DTensor, this rank's shard of it: every rank gathers the whole (a collective)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _full_parameters(accelerator, model):
     """(HF name, full tensor), one at a time (gathered alone under ZeRO-3 and FSDP2, on every rank). A LoRA
     layer's weight goes out as base + the adapters' delta, computed aside: merging into a bf16 base and back
@@ -53,12 +48,12 @@ def _full_parameters(accelerator, model):
             import deepspeed
             with deepspeed.zero.GatheredParameters([param]):
                 yield name, param.data
-        elif id(param) in lora:
-            layer = lora[id(param)]
-            deltas = (layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
-            yield name, _full(sum(deltas, param.data)).to(param.dtype)  # the base's dtype: peft's adapters are fp32
-        else:
-            yield name, _full(param.data)
+        else:  # a LoRA layer's weight plus its adapters' deltas (none elsewhere), in the base's dtype (peft's are
+            # fp32); under FSDP2 a DTensor, this rank's shard of it: every rank gathers the whole (a collective)
+            layer = lora.get(id(param))
+            deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A] if layer else []
+            weight = sum(deltas, param.data)
+            yield name, (weight.full_tensor() if isinstance(weight, DTensor) else weight).to(param.dtype)
 
 
 @contextlib.contextmanager
@@ -70,16 +65,15 @@ def _keep_hf_classes(model_type: str):
     with contextlib.suppress(ImportError):
         name = model_type.replace("-", "_")
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    classes = {cls: {k: cls.__dict__.get(k) for k in ("__init__", "__call__")}
-               for name, module in list(sys.modules.items()) if name.startswith("transformers.models.")
-               for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+    saved = {(cls, key): cls.__dict__.get(key) for name, module in list(sys.modules.items())
+             if name.startswith("transformers.models.") for cls in vars(module).values()
+             if isinstance(cls, type) and issubclass(cls, torch.nn.Module) for key in ("__init__", "__call__")}
     try:
         yield
     finally:
-        for cls, saved in classes.items():
-            for key, value in saved.items():
-                if cls.__dict__.get(key) is not value:
-                    setattr(cls, key, value) if value is not None else delattr(cls, key)
+        for (cls, key), value in saved.items():
+            if cls.__dict__.get(key) is not value:
+                setattr(cls, key, value) if value is not None else delattr(cls, key)
 
 
 def _get(url: str, timeout: float = 30):
@@ -165,26 +159,23 @@ class VLLMSampler:
         except OSError:
             self.generation_config = config
         if mode == "server":
-            self.url, world_size = wait_for_server(server_host, server_port, server_timeout)
-            from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
-            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                                      NCCLTrainerWeightTransferEngine)
+            self.url, workers = wait_for_server(server_host, server_port, server_timeout)
+            from vllm.distributed.weight_transfer import base, clients, nccl_engine
 
-            class Source(ModuleSource):  # full (gathered, merged) parameters under their HF names
+            class Source(base.ModuleSource):  # full (gathered, merged) parameters under their HF names
                 def metadata(self):  # shapes without gathering (ds_shape: the full shape under ZeRO-3)
-                    return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    return [base.ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
                             for n, p in _hf_parameters(accelerator.unwrap_model(self._module))]
 
                 def __iter__(self):
                     return _full_parameters(accelerator, self._module)
 
             # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
-            info = NCCLTrainerInitInfo(rank=accelerator.process_index, master_port=group_port,
-                                       world_size=1 + world_size,
-                                       master_address=group_host or address_towards(server_host, server_port))
-            self.transfer = lambda model: NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=HTTPVLLMWeightSyncClient(self.url), source=Source(model))
+            info = nccl_engine.NCCLTrainerInitInfo(
+                rank=accelerator.process_index, master_port=group_port, world_size=1 + workers,
+                master_address=group_host or address_towards(server_host, server_port))
+            self.transfer = lambda model: nccl_engine.NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=clients.HTTPVLLMWeightSyncClient(self.url), source=Source(model))
             self.sender = None
             return
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: in-place weights
