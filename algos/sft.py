@@ -11,6 +11,7 @@ targets, and each completion ends in EOS so that the model learns to stop.
         --dataset_name trl-lib/tldr --output_dir output/pythia-1b-sft --learning_rate 3e-6 ...
 """
 
+import json
 import math
 import os
 import random
@@ -25,7 +26,8 @@ from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, encode_completion, encode_prompt, is_conversational, load_split
+from common.data import (check_columns, encode_completion, encode_prompt, is_conversational, load_split,
+                         without_nulls)
 from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
@@ -38,14 +40,18 @@ class Args:
     model_name_or_path: str = "tiny_tldr/tiny-pythia"
     """base model: hub name or local directory (the default is the tiny task's: `python benchmarks/tiny_tldr.py`)"""
     dataset_name: str = "tiny_tldr/tldr"
-    """prompt/completion, messages (every assistant turn learnt) or text (every token learnt) data: hub name, local
-    directory or file (the default is the tiny task's, built with the model)"""
+    """prompt/completion, messages (every assistant turn learnt, tool calls included; a `tools` column of JSON
+    schemas is rendered by the chat template) or text (every token learnt) data: hub name, local directory or file
+    (the default is the tiny task's, built with the model)"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_test_split: str = "validation"
     """split for eval loss and samples ("" to skip evaluation)"""
     max_length: int = 512
     """prompt + completion tokens; longer examples lose the end of their completion"""
+    chat_template_path: str | None = None
+    """a Jinja file or a tokenizer whose chat template replaces the model's (saved with it), e.g.
+    configs/chatml_tools.jinja for tool-use `messages` on a model whose template renders no tools"""
 
     # optimization
     learning_rate: float = 3e-3
@@ -148,18 +154,18 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     return -(logprobs * loss_mask[:, 1:]).sum() / num_tokens
 
 
-def conversation_ids(tokenizer, messages) -> tuple[list[int], list[int]]:
-    """A conversation's ids through the chat template, and a mask that is 1 on every assistant turn
-    (its content and the end-of-turn token the template writes after it; not the "assistant" header,
-    and not what follows the end of turn). Turns are found without `{% generation %}` tags: assistant
-    turn k is what the template adds between rendering messages[:k] ready for the assistant's reply
-    and rendering messages[:k + 1]."""
+def conversation_ids(tokenizer, messages, tools: list | None = None) -> tuple[list[int], list[int]]:
+    """A conversation's ids through the chat template (with the tools' schemas), and a mask that is 1 on
+    every assistant turn (its content and tool calls, and the end-of-turn token the template writes after
+    it; not the "assistant" header, not tool results, and not what follows the end of turn). Turns are
+    found without `{% generation %}` tags: assistant turn k is what the template adds between rendering
+    messages[:k] ready for the assistant's reply and rendering messages[:k + 1]."""
     ids, mask, done = [], [], ""
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
-        through = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:k], tools=tools, add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[:k + 1], tools=tools, tokenize=False)
         if not (before.startswith(done) and through.startswith(before)):
             raise UserError("the chat template renders a conversation's start differently once more turns follow; "
                             "its assistant turns cannot be told apart from the rest")
@@ -174,6 +180,12 @@ def conversation_ids(tokenizer, messages) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def row_tools(row) -> list | None:
+    """A row's `tools` column (TRL's): JSON schemas as dicts, or one JSON string (as some hub datasets store them)."""
+    tools = row.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else without_nulls(tools)
+
+
 def tokenize(dataset, tokenizer, max_length: int):
     """Rows -> (input_ids, loss mask), cut at `max_length`: prompt-completion rows learn the
     completion (its EOS included); `messages` rows every assistant turn (TRL's assistant_only_loss);
@@ -185,7 +197,7 @@ def tokenize(dataset, tokenizer, max_length: int):
             if not any(m["role"] == "assistant" for m in row["messages"]):
                 raise UserError(f"row {i}: its messages hold no assistant turn, so SFT has nothing to learn from it; "
                                 "drop that row")
-            ids, mask = conversation_ids(tokenizer, row["messages"])
+            ids, mask = conversation_ids(tokenizer, without_nulls(row["messages"]), row_tools(row))
         elif "text" in row and row["text"] is not None:
             if is_conversational(row["text"]):
                 raise UserError(f"row {i}: its `text` is a list of messages; language modelling takes plain text, "
@@ -240,8 +252,8 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
     with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
         if not accelerator.is_main_process:
             return
-        completion_ids = generate(unwrapped, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
-                                  args.max_new_tokens, temperature=0.0).completion_ids
+        prompt_ids = [encode_prompt(tokenizer, p, row_tools(r)) for p, r in zip(prompts, rows)]
+        completion_ids = generate(unwrapped, tokenizer, prompt_ids, args.max_new_tokens, temperature=0.0).completion_ids
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     samples = [{"prompt": p, "completion": c, "reference": r["completion"] if "completion" in r else
                 r["messages"][-1:] if "messages" in r else r["text"][len(p):]} for p, c, r in zip(prompts, texts, rows)]
@@ -259,7 +271,7 @@ def main(args: Args):
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     train_split = load_split(args.dataset_name, args.dataset_train_split)
     formats = {"prompt-completion": ["prompt", "completion"], "messages": ["messages"], "language modelling": ["text"]}
     check_columns(train_split, formats,

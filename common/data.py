@@ -75,8 +75,17 @@ def is_conversational(value) -> bool:
 
 
 def _is_messages(value) -> bool:
-    return is_conversational(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    """{"role", "content"} dicts; an assistant message may hold `tool_calls` in place of content (TRL's tool use)."""
+    return is_conversational(value) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and (
+        isinstance(m.get("content"), str) or m["role"] == "assistant" and bool(m.get("tool_calls"))) for m in value)
+
+
+def without_nulls(value):
+    """A row's messages or tool schemas as written: Arrow stores dicts of different keys under the union of their
+    keys, and gives each the others' as None (a tool call's content, another tool's parameters)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    return [without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def check_text_fields(dataset: Dataset, columns: list[str], where: str):
@@ -86,6 +95,7 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
     kinds = {}
     for column in columns:
         values = dataset.with_format("arrow")[column].to_pylist()  # iterating dataset[column] is ~25x slower
+        values = dataset.features.decode_column(values, column)  # messages of mixed keys: Json, stored as text
         for i, value in enumerate(values):
             kind = "messages" if _is_messages(value) else "string" if isinstance(value, str) else None
             if kind is None or (column == "messages" and kind != "messages"):
@@ -100,15 +110,17 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
                         "conversational (messages)")
 
 
-def prompt_text(tokenizer, prompt) -> str:
-    """A string as is, or messages through the chat template, ready for the assistant's turn."""
+def prompt_text(tokenizer, prompt, tools: list | None = None) -> str:
+    """A string as is, or messages through the chat template (with the tools' schemas), ready for the assistant's
+    turn."""
     if not is_conversational(prompt):
         return prompt
     if not tokenizer.chat_template:
         raise UserError(f"the dataset is conversational (lists of messages) but "
                         f"{getattr(tokenizer, 'described', 'the tokenizer')} has no chat template; use a tokenizer "
                         "with one, or standard (string) data")
-    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(without_nulls(prompt), tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
 
 
 def completion_text(tokenizer, prompt, completion) -> str:
@@ -145,9 +157,10 @@ def split_implicit_prompt(chosen, rejected):
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+def encode_prompt(tokenizer, prompt, tools: list | None = None) -> list[int]:
     """Prompt ids; special tokens (BOS) added for plain text only: a chat template writes its own."""
-    return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=not is_conversational(prompt)).input_ids
+    text = prompt_text(tokenizer, prompt, tools)
+    return tokenizer(text, add_special_tokens=not is_conversational(prompt)).input_ids
 
 
 def encode_completion(tokenizer, prompt, completion) -> list[int]:

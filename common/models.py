@@ -20,11 +20,16 @@ def _from_pretrained(cls, name_or_path: str, what: str, **kwargs):
         raise UserError(f"could not load {what} '{name_or_path}'{hint}: {str(e).splitlines()[0]}") from None
 
 
-def load_tokenizer(name_or_path: str, role: str = "policy"):
+def load_tokenizer(name_or_path: str, role: str = "policy", chat_template_path: str | None = None):
     """The tokenizer as shipped, padding on the left; without a pad token EOS pads (as in TRL): every mask
     here comes from lengths and each completion's first EOS, never from `ids == pad_token_id`. `role`
-    (policy, reference, reward model i) names it in errors, here and in common/data.py's."""
+    (policy, reference, reward model i) names it in errors, here and in common/data.py's.
+    chat_template_path (TRL's option): a Jinja file, or a tokenizer whose chat template replaces the shipped one
+    (e.g. configs/chatml_tools.jinja, ChatML that renders tools); saved with the model."""
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path, f"the {role}'s tokenizer")
+    if chat_template_path:
+        tokenizer.chat_template = (open(chat_template_path).read() if os.path.isfile(chat_template_path) else
+                                   _from_pretrained(AutoTokenizer, chat_template_path, "the template").chat_template)
     tokenizer.described = f"the {role}'s tokenizer '{name_or_path}'"
     if tokenizer.eos_token_id is None:
         raise UserError(f"{tokenizer.described} has no eos_token; set one and save it")

@@ -9,7 +9,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from common.data import is_conversational
+from common.data import is_conversational, without_nulls
 
 
 class Tracker:
@@ -52,11 +52,11 @@ class Tracker:
 
     def log_samples(self, rows: list[dict], step: int, title: str = "samples"):
         """Print a table of sample completions (dicts with the same keys) and send it to wandb; a conversation
-        (a list of {"role", "content"} messages) as `role: content` turns."""
+        (a list of {"role", "content"} messages) as `role: content` turns, tool calls as their JSON."""
         if not self.main or not rows:
             return
-        rows = [{k: " | ".join(f"{m['role']}: {m['content']}" for m in v) if is_conversational(v) else v
-                 for k, v in row.items()} for row in rows]
+        rows = [{k: " | ".join(f"{m['role']}: {m.get('content') or json.dumps(without_nulls(m.get('tool_calls')))}"
+                               for m in v) if is_conversational(v) else v for k, v in row.items()} for row in rows]
         self.bar.write(f"--- {title} at step {step} ---")
         for i, row in enumerate(rows):
             for key, value in row.items():

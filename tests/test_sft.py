@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from algos import sft
 from algos.sft import collate, sft_loss, tokenize
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 SMALL = ["--per_device_train_batch_size", "4", "--eval_steps", "100", "--num_sample_generations", "1",
          "--max_new_tokens", "8"]
@@ -86,6 +86,60 @@ def test_every_assistant_turn_of_a_conversation_is_learnt_and_nothing_else(token
     assert spans.count("01") == 2 and spans.endswith("1")  # two separate learnt spans, the last at the end
 
 
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+TOOL_ROW = {"messages": [
+    {"role": "user", "content": "What is 123 * 456?"},
+    {"role": "assistant", "tool_calls": [{"type": "function",
+                                          "function": {"name": "multiply", "arguments": {"a": 123, "b": 456}}}]},
+    {"role": "tool", "name": "multiply", "content": "56088"},
+    {"role": "assistant", "content": "It is 56088."}]}
+
+
+def test_tool_calls_are_learnt_and_tool_results_and_schemas_are_not(tokenizer):
+    from transformers.utils import get_json_schema
+
+    tokenizer.chat_template = open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read()
+    tools = [get_json_schema(multiply)]
+    [(ids, mask)], _ = tokenize([{**TOOL_ROW, "tools": tools}], tokenizer, max_length=1024)
+    text, learnt = tokenizer.decode(ids), tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    # by hand: the schema in the system turn, the call as JSON in tags, the result in a user turn, none of it
+    # learnt but the two assistant turns (each with its end of turn) and the EOS after the last
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 123, "b": 456}}\n</tool_call><|im_end|>'
+    assert learnt == call + "It is 56088.<|im_end|>" + tokenizer.eos_token
+    assert text.startswith("<|im_start|>system\n") and '"description": "the first factor"' in text
+    assert "<tool_response>\n56088\n</tool_response>" in text and "56088" not in learnt.replace("It is 56088", "")
+    assert text.endswith("<|im_start|>assistant\nIt is 56088.<|im_end|>" + tokenizer.eos_token)
+    # the same row as Arrow stores it (null content and tool_calls filled in, the tools as one JSON string)
+    from datasets import Dataset
+
+    stored = Dataset.from_list([{**TOOL_ROW, "tools": json.dumps(tools)}, {"messages": TOOL_ROW["messages"][:1] + [
+        {"role": "assistant", "content": "no"}], "tools": "[]"}])
+    assert stored[0]["messages"][1]["content"] is None and stored[1]["messages"][1]["tool_calls"] is None
+    assert tokenize(stored, tokenizer, max_length=1024)[0][0] == (ids, mask)
+
+
+def test_a_message_with_neither_content_nor_tool_calls_is_refused():
+    from datasets import Dataset
+
+    from common.data import check_columns
+    from common.runtime import UserError
+
+    ok = Dataset.from_list([TOOL_ROW])
+    assert check_columns(ok, {"messages": ["messages"]}, "data") == "messages"
+    bad = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}])
+    with pytest.raises(UserError, match="in column 'messages' at row 0"):
+        check_columns(bad, {"messages": ["messages"]}, "data")
+
+
 def test_text_rows_learn_every_token_and_end_in_eos(tokenizer):
     [(ids, mask)], skipped = tokenize([{"text": "TITLE: a post\n\nTL;DR: my boss"}], tokenizer, max_length=64)
     assert skipped == 0 and ids == tokenizer("TITLE: a post\n\nTL;DR: my boss").input_ids + [tokenizer.eos_token_id]
@@ -131,6 +185,26 @@ def test_sft_on_text_rows_trains_and_shows_continuations(tmp_path):
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2] and log[-1]["eval_loss"] < log[0]["loss"] + 1
     assert "TITLE: post 0" in proc.stdout + proc.stderr  # the samples table shows a text's start
+
+
+def test_sft_on_tool_use_conversations_with_a_chat_template_file(tmp_path):
+    """TRL's tool-use SFT rows (messages with tool calls and results, a tools column) through
+    --chat_template_path: trains, shows the conversations, and saves the template with the model."""
+    from transformers.utils import get_json_schema
+
+    tools = [get_json_schema(multiply)]
+    for split, n in (("train", 8), ("validation", 2)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({**TOOL_ROW, "tools": tools}) + "\n" for _ in range(n))
+    out = str(tmp_path / "sft")
+    template = os.path.join(ROOT, "configs", "chatml_tools.jinja")
+    proc = run_script("algos/sft.py", "--dataset_name", str(tmp_path), "--chat_template_path", template,
+                      "--max_steps", "2", "--per_device_train_batch_size", "4", "--eval_steps", "2",
+                      "--num_sample_generations", "1", "--max_new_tokens", "4", "--output_dir", out)
+    assert [r["step"] for r in read_log(out)] == [1, 2]
+    console = proc.stdout + proc.stderr
+    assert 'assistant: [{"type": "function", "function": {"name": "multiply"' in console  # the prompt's tool call
+    assert AutoTokenizer.from_pretrained(out).chat_template == open(template).read()
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
