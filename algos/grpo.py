@@ -24,7 +24,6 @@ Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang
 
 import math
 import os
-import random
 import sys
 import time
 from collections import defaultdict
@@ -37,13 +36,14 @@ from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, pad, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
+from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, load_split, prompt_batches
+from common.episodes import episode_metrics, load_tools, run_episodes
+from common.generation import generate, pad, shifted_logits, token_entropy, token_logprobs
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights
+from common.vllm import VLLMSampler, importance_weights, sample_with
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Args:
     max_dynamic_sampling_rounds: int = 10
     """generation batches sampled at most per rollout; then constant groups fill what is missing"""
 
-    # model, data and rewards
+    # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
     dataset_name: str = "tiny_tldr/tldr"
@@ -100,6 +100,14 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    tools: list[str] = field(default_factory=list)
+    """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
+    environment_factory: str | None = None
+    """`module:Class`, one per episode: reset(**row), its public methods are tools, get_reward() a reward"""
+    max_tool_calling_iterations: int | None = None
+    """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
+    chat_template_path: str | None = None
+    """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
     # sampling
     max_completion_length: int = 48
@@ -221,15 +229,9 @@ class Args:
     wandb_entity: str | None = None
     """wandb entity (team or user)"""
 
-    # filled in at runtime
-    world_size: int = 0
-    """number of processes (set at runtime)"""
-    generation_batch_size: int = 0
-    """completions per generation batch = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
-
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
-            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
+            self.reward_model_paths = [] if self.reward_funcs or self.environment_factory else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +337,7 @@ class Rollout:
     prompts: list
     texts: list
     draws: int = 1  # generation batches sampled to fill it (dynamic sampling)
+    episodes: dict | None = None  # multi-turn: turns, calls, failures [B] (common/episodes.py)
 
 
 def main(args: Args):
@@ -363,7 +366,7 @@ def main(args: Args):
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]},
                   f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
@@ -371,6 +374,8 @@ def main(args: Args):
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
                                f"{sizes} / num_generations {args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, args.dynamic_sampling)
+             if args.tools or args.environment_factory else None)  # multi-turn episodes (common/episodes.py)
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
@@ -382,7 +387,8 @@ def main(args: Args):
     truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.repetition_penalty, **truncation)
-    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
+                                           functions=tools.reward_functions() if tools else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
                               args.max_steps)
@@ -397,52 +403,42 @@ def main(args: Args):
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
                       logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
                       wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
-    accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; "
-                      f"{args.generation_batch_size // args.num_generations} prompts x {args.num_generations} "
-                      "completions per generation batch; rewards: "
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; {local_size} completions per process and "
+                      f"generation batch, {args.num_generations} per prompt; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
-    def prompt_batches():
-        """Endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks)."""
-        rng = random.Random(args.seed)
-        per_batch = args.generation_batch_size // args.num_generations
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - per_batch + 1, per_batch):
-                repeated = [i for i in order[start:start + per_batch] for _ in range(args.num_generations)]
-                yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
-
-    prompts_iter = prompt_batches()
-    for _ in range(resumed.get("episode", 0) // args.generation_batch_size):  # the data position: a batch per rollout
-        next(prompts_iter)
+    # endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks); on resume
+    # from the data position of the checkpoint (a batch per rollout)
+    prompts_iter = prompt_batches(len(rows), args.generation_batch_size // args.num_generations, args.num_generations,
+                                  seed=args.seed, rank=accelerator.process_index, local_size=local_size,
+                                  skip=resumed.get("episode", 0) // args.generation_batch_size)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode also gives the sampling seeds
-    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
+    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
+
+    sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.ds3_gather_for_generation,
+                         generate=generate)
 
     def draw_batch(first: bool) -> dict:
         """ROLLOUT and SCORE: the next generation batch (this rank's share of its prompts), num_generations
-        completions per prompt from the current policy, and their rewards (NaN: no source scored it)."""
-        nonlocal episode, push_seconds
+        completions per prompt from the current policy, and their rewards (NaN: no source scored it). Multi-turn:
+        a completion is the rest of its episode, tool results as context; only the model's tokens are trained."""
+        nonlocal episode
         indices = next(prompts_iter)
         # one seed per completion, from its place in the run: the same samples on 1 or N processes
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
         episode += args.generation_batch_size
-        if sampler is not None:
-            if first and step > 0 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
-                push_seconds = sampler.push_weights(model)
-            samples = sampler.generate(tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
-        else:
-            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
-        c_ids, c_mask = samples.completion_ids, samples.completion_mask
-        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(prompts, texts)]
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        if sampler is not None:  # a new policy to push before sampling
+            sampler.needs_push |= first and step > 0
+        prompts = [rows[i]["prompt"] for i in indices]
+        episodes = run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds,
+                                prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
+                                max_calls=args.max_tool_calling_iterations, accelerator=accelerator, **sampling)
+        samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
         completion_ids = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
-        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=episodes.completions,
                                               columns=columns, completion_ids=completion_ids)
         rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
         if args.missing_eos_penalty is not None:
@@ -452,7 +448,7 @@ def main(args: Args):
                                                  args.overlong_penalty_factor)
         return dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask, rewards=rewards,
                     finished=samples.finished.long(), per_source=torch.stack(list(per_source.values()), 1),
-                    sampler_logps=samples.sampler_logps)
+                    sampler_logps=samples.sampler_logps, **(episodes.batch() if tools else {}))
 
     def dynamic_sampling(batch: dict) -> tuple[dict, int]:
         """DAPO: draw generation batches until generation_batch_size completions (every rank's, in rank order)
@@ -482,9 +478,11 @@ def main(args: Args):
                 batch, draws = dynamic_sampling(batch)
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
             rewards, finished = batch["rewards"], batch["finished"].bool()
-            p_ids, p_mask = (t.to(c_ids.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id,
-                                                              "left"))
-            input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+            p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
+                t.to(c_ids.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
+            # multi-turn: tool results are attended to, not trained
+            input_ids = torch.cat([p_ids, c_ids], 1)
+            attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
             # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
@@ -513,7 +511,8 @@ def main(args: Args):
                               sampler_logps=batch.get("sampler_logps"), rewards=rewards, all_rewards=all_rewards,
                               per_source=dict(zip([name for name, _, _ in sources], batch["per_source"].T)),
                               prompts=[rows[i]["prompt"] for i in indices],
-                              texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True), draws=draws)
+                              texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True), draws=draws,
+                              episodes={k: batch[k] for k in ("turns", "calls", "failures")} if tools else None)
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
         r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
@@ -570,8 +569,10 @@ def main(args: Args):
             "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
             "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
             "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
-            **({"vllm/push_seconds": push_seconds} if sampler is not None else {}),
+            **({"vllm/push_seconds": sampler.push_seconds} if sampler is not None else {}),
             **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
+        if r.episodes:  # TRL's tool metrics, and the episodes' turns
+            metrics.update(episode_metrics(accelerator, r.finished, **r.episodes))
         for name, values in r.per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches

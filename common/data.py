@@ -10,6 +10,7 @@ is *standard* (strings) or *conversational* (lists of {"role", "content"} messag
 """
 
 import os
+import random
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
@@ -167,3 +168,19 @@ def encode_completion(tokenizer, prompt, completion) -> list[int]:
     """Completion ids ending in exactly one EOS, and no BOS (which Llama-style tokenizers would add)."""
     ids = tokenizer(completion_text(tokenizer, prompt, completion), add_special_tokens=False).input_ids
     return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+
+def prompt_batches(num_rows: int, num_prompts: int, repeat: int, *, seed: int, rank: int, local_size: int,
+                   skip: int = 0):
+    """Endless: a global batch of num_prompts row indices, each `repeat` times in a row (a group, which may span
+    processes), then this process's share of local_size; a new shuffle, the same on every process, per pass.
+    The first `skip` batches are passed over (a resumed run's data position)."""
+    rng, batch = random.Random(seed), 0
+    while True:
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        for start in range(0, num_rows - num_prompts + 1, num_prompts):
+            repeated = [i for i in order[start:start + num_prompts] for _ in range(repeat)]
+            batch += 1
+            if batch > skip:
+                yield repeated[rank * local_size:(rank + 1) * local_size]

@@ -87,6 +87,7 @@ class Samples:
     completion_mask: torch.Tensor  # [N, T] 1 on those tokens
     finished: torch.Tensor  # [N] the completion stopped by itself (else max_new_tokens cut it)
     sampler_logps: torch.Tensor | None = None  # [N, T] vLLM's logprob of each token (0 after it); None from HF
+    model_mask: torch.Tensor | None = None  # [N, T] multi-turn (common/episodes.py): 1 on the model's own tokens
 
 
 @torch.no_grad()

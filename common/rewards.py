@@ -15,17 +15,20 @@ from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
 
 
-def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator):
-    """[(name, model or function, tokenizer or None)] and their weights (default: all 1)."""
+def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator,
+                        functions: list = ()):
+    """[(name, model or function, tokenizer or None)] and their weights (default: all 1); `functions`: (name,
+    function) pairs after them, of weight 1 (an environment's get_reward)."""
     sources = []
     for i, path in enumerate(model_paths, 1):
         tokenizer = load_tokenizer(path, role=f"reward model {i}")
         model = prepare_frozen(accelerator, load_reward_model(path, tokenizer, role=f"reward model {i}"))
         sources.append((os.path.basename(os.path.normpath(path)), model, tokenizer))
     sources += [(spec.partition(":")[2], import_function(spec), None) for spec in function_specs]
+    weights = [1.0] * len(sources) if weights is None else list(weights)
+    sources, weights = sources + [(name, fn, None) for name, fn in functions], weights + [1.0] * len(functions)
     if not sources:
         raise UserError("no reward: pass --reward_model_paths and/or --reward_funcs")
-    weights = [1.0] * len(sources) if weights is None else list(weights)
     if len(weights) != len(sources):
         raise UserError(f"{len(weights)} reward_weights for {len(sources)} rewards "
                         f"({', '.join(name for name, _, _ in sources)}); give one weight per reward")

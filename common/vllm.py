@@ -11,6 +11,7 @@ The policy always recomputes the training logprobs; the sampler's only feed the 
 import contextlib
 import importlib
 import json
+import math
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
-from common.generation import Samples, pad, stop_token_ids, truncate_at_stop
+from common.generation import Samples, pad, stop_token_ids, truncate_at_stop, unwrapped_for_generation
 from common.models import deepspeed_stage
 from common.runtime import UserError
 
@@ -121,6 +122,20 @@ def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: 
                                                         masked_fraction=outside[real].float().mean())
 
 
+def sample_with(accelerator, model, tokenizer, sampler, *, gather: bool, generate):
+    """sample(prompt_ids, seeds, **options) -> Samples: by the VLLMSampler, the policy's weights pushed first when
+    they are stale (needs_push), or with `generate` (common.generation's, as the script imported it) on the
+    policy unwrapped for generation (gather: --ds3_gather_for_generation)."""
+    def sample(prompts: list, seeds: list, **options) -> Samples:
+        if sampler is None:
+            with unwrapped_for_generation(accelerator, model, gather) as unwrapped:
+                return generate(unwrapped, tokenizer, prompts, seeds=seeds, **options)
+        if sampler.needs_push:
+            sampler.push_weights(model)
+        return sampler.generate(tokenizer, prompts, seeds=seeds, **options)
+    return sample
+
+
 class VLLMSampler:
     """Samples completions for token-id prompts (a seed per completion) and takes new weights. The options
     are the scripts' --vllm_* flags."""
@@ -150,6 +165,7 @@ class VLLMSampler:
                  tensor_parallel_size: int, max_num_batched_tokens: int | None):
         self.accelerator, self.mode, self.enable_sleep_mode = accelerator, mode, enable_sleep_mode
         self.sleep_level, self.tp, self.needs_push = sleep_level, tensor_parallel_size, False
+        self.push_seconds = math.nan  # of the last push
         self.vllm = vllm = self.check(accelerator, use_peft=use_peft, mode=mode, server_host=server_host,
                                       server_port=server_port, server_timeout=server_timeout,
                                       tensor_parallel_size=tensor_parallel_size)
@@ -216,7 +232,8 @@ class VLLMSampler:
                 "weights_iterator": _full_parameters(self.accelerator, model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
             self.needs_push = False
-        return time.time() - start
+        self.push_seconds = time.time() - start  # logged as vllm/push_seconds
+        return self.push_seconds
 
     def generate(self, tokenizer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,

@@ -1,0 +1,237 @@
+"""Multi-turn episodes for the online scripts (--tools, --environment_factory), in the contract of TRL's GRPO
+trainer: the model writes a turn; the tool calls in it (parsed in the chat template's format) run as
+`fn(**arguments)` and come back as {"role": "tool", "name", "content": str(result)} messages (a failure as
+str({"error": ...}), counted, never a crash); then the model writes its next turn. A turn without a call ends the
+episode, as do --max_tool_calling_iterations turns with calls, and the episode's tokens reaching
+max_completion_length (a tool result that would pass it is not appended, and the episode counts as truncated).
+Only the model's own tokens are trained (`Samples.model_mask`); tool results and the template's text around them
+are context."""
+
+import inspect
+import json
+import re
+from dataclasses import dataclass, replace
+
+import torch
+from transformers.utils import get_json_schema
+
+from common.data import encode_prompt, is_conversational, without_nulls
+from common.generation import Samples, pad
+from common.rewards import import_function
+from common.runtime import UserError
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)  # ChatML / Qwen / Hermes templates
+
+
+@dataclass
+class Tools:
+    """The functions the model may call, their JSON schemas (rendered by the chat template), and one environment
+    per episode of a batch (reset before each episode; its public methods are tools bound to it)."""
+    functions: list
+    schemas: list
+    call_format: str  # "hermes" (<tool_call>{...}</tool_call>) or "llama3" (a bare JSON object)
+    factory: type | None = None
+    environments: list | None = None
+
+    def reward_functions(self) -> list:
+        """[(the environment class's name, a reward function calling each episode's get_reward())], if it has one."""
+        if not callable(getattr(self.factory, "get_reward", None)):
+            return []
+        return [(self.factory.__name__, lambda environments, **_: [env.get_reward() for env in environments])]
+
+    def for_episode(self, i: int) -> dict:
+        """name -> callable for episode i: the plain functions and its environment's methods."""
+        env = self.environments[i] if self.environments else None
+        return {f.__name__: f for f in self.functions} | ({name: getattr(env, name) for name in
+                                                           environment_methods(self.factory)} if env else {})
+
+
+def environment_methods(cls) -> list[str]:
+    """An environment's tools: every public method but reset and get_reward (TRL's rule)."""
+    return [n for n, f in inspect.getmembers(cls, inspect.isfunction)
+            if not n.startswith("_") and n not in ("reset", "get_reward")]
+
+
+def schema(fn, where: str) -> dict:
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException
+        raise UserError(f"tool {where} has no usable schema ({e}); give every argument a type hint and the "
+                        "docstring a Google-style Args: section") from None
+
+
+def load_tools(tokenizer, function_specs: list[str], environment_factory: str | None, num_episodes: int,
+               rows: list[dict] = (), dynamic_sampling: bool = False) -> Tools:
+    """--tools and --environment_factory checked against the chat template (it must render tools, in a format
+    whose calls can be parsed) and the data (conversational prompts); else one error."""
+    if dynamic_sampling or any(not is_conversational(row["prompt"]) for row in rows):
+        raise UserError("--tools and --environment_factory need conversational prompts (lists of messages), and no "
+                        "--dynamic_sampling (an environment's reset may change a prompt, which it could not rebuild)")
+    functions = [import_function(spec, "tool") for spec in function_specs]
+    factory = import_function(environment_factory, "environment factory") if environment_factory else None
+    if factory is not None and not callable(getattr(factory, "reset", None)):
+        raise UserError(f"environment factory '{environment_factory}' has no reset(**row) method")
+    schemas = [schema(f, spec) for f, spec in zip(functions, function_specs)] + (
+        [schema(getattr(factory, n), f"{factory.__name__}.{n}") for n in environment_methods(factory)] if factory
+        else [])
+    if not schemas:
+        raise UserError(f"environment factory '{environment_factory}' has no public method for the model to call")
+    template = tokenizer.chat_template or ""
+    probe = [{"role": "user", "content": "x"}]
+    if not template or schemas[0]["function"]["name"] not in tokenizer.apply_chat_template(probe, tools=schemas,
+                                                                                          tokenize=False):
+        raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders no tools; "
+                        "pass --chat_template_path with one that does (e.g. configs/chatml_tools.jinja)")
+    if "<tool_call>" in template:
+        call_format = "hermes"
+    elif "<|start_header_id|>" in template and "<|eot_id|>" in template:
+        call_format = "llama3"
+    else:
+        family = next((name for marker, name in (("<|im_start|>", "ChatML without <tool_call>"), ("[INST]", "Mistral"),
+                                                 ("<start_of_turn>", "Gemma")) if marker in template), "unknown")
+        raise UserError(f"tool calls in the chat template's format ({family}) cannot be parsed; use a template that "
+                        "writes <tool_call>{...}</tool_call> (ChatML / Qwen / Hermes, e.g. configs/chatml_tools.jinja) "
+                        "or Llama 3's bare JSON (--chat_template_path)")
+    return Tools(functions, schemas, call_format, factory,
+                 [factory() for _ in range(num_episodes)] if factory else None)
+
+
+def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:
+    """(the turn's text before its first call, [{"name", "arguments"} or {"error"} for a call that does not parse])."""
+    if call_format == "hermes":
+        found = list(HERMES_CALL.finditer(text))
+        content, bodies = (text[:found[0].start()].strip() if found else text), [m.group(1) for m in found]
+    else:  # Llama 3: the whole turn is one JSON object {"name", "parameters"} when it calls
+        content, bodies = (("", [text.strip()]) if text.strip().startswith("{") else (text, []))
+    calls = []
+    for body in bodies:
+        try:
+            call = json.loads(body)
+            arguments = call.get("arguments", call.get("parameters", {}))
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if not isinstance(call["name"], str) or not isinstance(arguments, dict):
+                raise ValueError("name must be a string and arguments an object")
+            calls.append({"name": call["name"], "arguments": arguments})
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            calls.append({"error": f"could not parse the tool call {body[:80]} ({type(e).__name__}: {e})"})
+    return content, calls
+
+
+def call_tool(functions: dict, call: dict) -> tuple[dict, bool]:
+    """(the tool message answering `call`, whether it failed)."""
+    name = call.get("name", "unknown")
+    try:
+        if "error" in call:
+            raise ValueError(call["error"])
+        if name not in functions:
+            raise ValueError(f"Tool {name} not found.")
+        return {"role": "tool", "name": name, "content": str(functions[name](**call["arguments"]))}, False
+    except Exception as e:  # the model's arguments, or the tool itself
+        return {"role": "tool", "name": name, "content": str({"error": str(e)})}, True
+
+
+def tool_turn_text(tokenizer, tool_messages: list) -> str:
+    """What the chat template writes after an assistant turn's end for these tool results, up to and including
+    the next assistant header: the difference between rendering a stand-in conversation with and without them
+    (the assistant turn's end taken without the whitespace after it, as the model stops at its end token)."""
+    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    prefix = tokenizer.apply_chat_template(before, tokenize=False).rstrip()
+    full = tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, tokenize=False)
+    if not full.startswith(prefix):
+        raise UserError("the chat template renders a conversation's start differently once tool results follow")
+    return full[len(prefix):]
+
+
+@dataclass
+class Episodes:
+    samples: Samples  # completion_ids: every token after the prompt; model_mask: 1 on the model's own
+    completions: list  # per episode its messages: assistant (with tool_calls), tool, ..., assistant
+    turns: torch.Tensor  # [N] assistant turns
+    calls: torch.Tensor  # [N] tool calls made
+    failures: torch.Tensor  # [N] of them failed
+    columns: dict  # for reward functions beside the dataset's: environments= (one per episode), as TRL passes them
+
+    def batch(self) -> dict:
+        """What a script keeps of a multi-turn rollout beside its completions (tensors, gathered alike)."""
+        return dict(episode_mask=self.samples.completion_mask, prompt_ids=self.samples.prompt_ids,
+                    prompt_mask=self.samples.prompt_mask, turns=self.turns, calls=self.calls, failures=self.failures)
+
+
+def episode_metrics(accelerator, finished, turns, calls, failures) -> dict:
+    """TRL's tool metrics (calls per episode; failed calls per call), the episodes' turns and the share cut by
+    max_completion_length, over all processes."""
+    finished, turns, calls, failures = (accelerator.gather(t).float() for t in (finished, turns, calls, failures))
+    return {"tools/call_frequency": calls.mean().item(),
+            "tools/failure_frequency": (failures.sum() / calls.sum().clamp(min=1)).item(),
+            "episodes/turns_mean": turns.mean().item(), "episodes/turns_max": turns.max().item(),
+            "episodes/truncated_ratio": 1 - finished.mean().item()}
+
+
+def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, prompt_ids: list, seeds: list[int],
+                 max_new_tokens: int, max_prompt_length: int, max_calls: int | None, accelerator,
+                 **sampling) -> Episodes:
+    """Episodes for rows (one per row), turn after turn. sample(prompt_ids, seeds, max_new_tokens, **sampling) ->
+    Samples draws one turn of several episodes (HF generate or vLLM); a turn's seed is the episode's seed plus
+    the turn's number x 2**48. tools None: one turn from `prompt_ids` (the rows' prompts, encoded), the completion
+    as reward functions take it (a string, or one assistant message). Every process samples as many turns as
+    the longest episode on any of them, so sharded decoding stays in step (with nothing left, one token is
+    drawn and dropped)."""
+    if tools is None:
+        out = sample(prompt_ids, seeds, max_new_tokens=max_new_tokens, **sampling)
+        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(r["prompt"]) else t
+                       for r, t in zip(rows, texts)]
+        ones = torch.ones(len(rows), dtype=torch.long, device=out.completion_ids.device)
+        return Episodes(replace(out, model_mask=out.completion_mask), completions, ones, 0 * ones, 0 * ones, {})
+    prompts = [[dict(m) for m in without_nulls(row["prompt"])] for row in rows]
+    for i, row in enumerate(rows):
+        if tools.environments and (extra := tools.environments[i].reset(**row)):
+            prompts[i][-1]["content"] += extra  # TRL's rule: reset's string goes at the end of the last message
+    context = [encode_prompt(tokenizer, p, tools.schemas)[-max_prompt_length:] for p in prompts]
+    n = len(rows)
+    ids, own, logps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+    completions, finished = [[] for _ in range(n)], [False] * n
+    turns, calls, failures, call_turns = [0] * n, [0] * n, [0] * n, [0] * n
+    active, turn = list(range(n)), 0
+    while accelerator.reduce(torch.tensor(float(bool(active)), device=accelerator.device), "max").item() > 0:
+        todo = active or [0]  # with nothing left here: one token, dropped
+        budget = max(max_new_tokens - len(ids[i]) for i in active) if active else 1
+        out = sample([context[i] + ids[i] for i in todo], [seeds[i] + turn * 2**48 for i in todo],
+                     max_new_tokens=budget, **sampling)
+        turn, still = turn + 1, []
+        for row, i in enumerate(active):
+            length = int(out.completion_mask[row].sum())
+            new = out.completion_ids[row, :length].tolist()[:max_new_tokens - len(ids[i])]
+            ids[i], own[i], turns[i] = ids[i] + new, own[i] + [1] * len(new), turns[i] + 1
+            if out.sampler_logps is not None:
+                logps[i] += out.sampler_logps[row, :len(new)].tolist()
+            content, parsed = parse_tool_calls(tokenizer.decode(new, skip_special_tokens=True), tools.call_format)
+            message = {"role": "assistant", "content": content}
+            completions[i].append(message | ({"tool_calls": [{"type": "function", "function": c} for c in parsed
+                                                             if "error" not in c]} if parsed else {}))
+            stopped = bool(out.finished[row]) and len(new) == length
+            if not stopped or not parsed or (max_calls is not None and call_turns[i] >= max_calls):
+                finished[i] = stopped  # the episode ends: answered, out of tokens, or out of calls
+                continue
+            functions = tools.for_episode(i)
+            answers = [call_tool(functions, call) for call in parsed]
+            glue = tokenizer(tool_turn_text(tokenizer, [m for m, _ in answers]), add_special_tokens=False).input_ids
+            calls[i], failures[i] = calls[i] + len(answers), failures[i] + sum(failed for _, failed in answers)
+            call_turns[i] += 1
+            if len(ids[i]) + len(glue) >= max_new_tokens:  # no room for the results and a reply: truncated
+                continue
+            ids[i], own[i], logps[i] = ids[i] + glue, own[i] + [0] * len(glue), logps[i] + [0.0] * len(glue)
+            completions[i] += [m for m, _ in answers]
+            still.append(i)
+        active = still
+    prompt_ids, prompt_mask = pad(context, tokenizer.pad_token_id, side="left")
+    completion_ids = torch.tensor([x + [tokenizer.pad_token_id] * (max_new_tokens - len(x)) for x in ids])
+    completion_mask = torch.tensor([[1] * len(x) + [0] * (max_new_tokens - len(x)) for x in ids])
+    device = out.completion_ids.device
+    samples = Samples(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                      completion_mask.to(device), torch.tensor(finished, device=device),
+                      sampler_logps=torch.tensor([x + [0.0] * (max_new_tokens - len(x)) for x in logps],
+                                                 device=device) if out.sampler_logps is not None else None,
+                      model_mask=torch.tensor([x + [0] * (max_new_tokens - len(x)) for x in own], device=device))
+    return Episodes(samples, completions, *(torch.tensor(x, device=device) for x in (turns, calls, failures)),
+                    {"environments": tools.environments} if tools.environments else {})
