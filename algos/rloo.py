@@ -25,7 +25,6 @@ grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), with the
 
 import math
 import os
-import random
 import sys
 import time
 from collections import defaultdict
@@ -38,13 +37,14 @@ from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import generate, shifted_logits, token_entropy, token_logprobs, unwrapped_for_generation
+from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, load_split, prompt_batches
+from common.episodes import episode_metrics, load_tools, run_episodes
+from common.generation import generate, shifted_logits, token_entropy, token_logprobs
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights
+from common.vllm import VLLMSampler, importance_weights, sample_with
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Args:
     missing_eos_penalty: float | None = None
     """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
 
-    # model, data and rewards
+    # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
     dataset_name: str = "tiny_tldr/tldr"
@@ -92,6 +92,14 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    tools: list[str] = field(default_factory=list)
+    """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
+    environment_factory: str | None = None
+    """`module:Class`, one per episode: reset(**row), its public methods are tools, get_reward() a reward"""
+    max_tool_calling_iterations: int | None = None
+    """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
+    chat_template_path: str | None = None
+    """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
     # sampling
     max_completion_length: int = 48
@@ -224,7 +232,7 @@ class Args:
 
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
-            self.reward_model_paths = [] if self.reward_funcs else ["output/reward"]
+            self.reward_model_paths = [] if self.reward_funcs or self.environment_factory else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +345,7 @@ def main(args: Args):
     if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
         VLLMSampler.check(accelerator, **vllm_options)
     # ---- model, data and rewards ----
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]},
                   f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
@@ -347,6 +355,8 @@ def main(args: Args):
                                f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
                                f"{args.num_mini_batches} x {args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows)
+             if args.tools or args.environment_factory else None)  # multi-turn episodes (common/episodes.py)
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
@@ -358,7 +368,8 @@ def main(args: Args):
     truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.repetition_penalty, **truncation)
-    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator)
+    sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
+                                           functions=tools.reward_functions() if tools else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                               args.num_steps)
@@ -378,17 +389,6 @@ def main(args: Args):
                       "mini-batches each; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
-    def prompt_batches():
-        """Endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks)."""
-        rng = random.Random(args.seed)
-        per_batch = args.rollout_batch_size // args.rloo_k
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - per_batch + 1, per_batch):
-                repeated = [i for i in order[start:start + per_batch] for _ in range(args.rloo_k)]
-                yield repeated[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
-
     def no_grad_logps(policy, input_ids, attention_mask, prompt_width):
         with torch.no_grad():
             return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
@@ -396,55 +396,57 @@ def main(args: Args):
                                                args.temperature, **truncation)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
-    prompts_iter = prompt_batches()
-    for _ in range(resumed.get("step", 0)):  # the data position: a batch per rollout
-        next(prompts_iter)
+    # endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks); on resume
+    # from the data position of the checkpoint (a batch per rollout)
+    prompts_iter = prompt_batches(len(rows), args.rollout_batch_size // args.rloo_k, args.rloo_k, seed=args.seed,
+                                  rank=accelerator.process_index, local_size=local_size, skip=resumed.get("step", 0))
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     if resumed:
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
     episode = resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
-    start_time, start_episode, push_seconds = time.time(), episode, float("nan")  # eps counts this process's episodes
+    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
+    sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.ds3_gather_for_generation,
+                         generate=generate)
 
     def draw_batch() -> dict:
         """ROLLOUT and SCORE: the next rollout (this rank's share of its prompts), rloo_k completions per prompt
-        from the current policy, and their scores (NaN: no source scored it)."""
-        nonlocal episode, push_seconds
+        from the current policy, and their scores (NaN: no source scored it). Multi-turn: a completion is the
+        rest of its episode, tool results as context; only the model's tokens (samples.model_mask) are trained."""
+        nonlocal episode
         indices = next(prompts_iter)
         # one seed per completion, from its place in the run: the same samples on 1 or N processes
         seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
         episode += args.rollout_batch_size
-        if sampler is not None:
-            if step > 1 or sampler.needs_push:  # a new policy, or sleep level 2 dropped the weights
-                push_seconds = sampler.push_weights(model)
-            samples = sampler.generate(tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
-        else:
-            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                samples = generate(unwrapped, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
-        c_ids, c_mask = samples.completion_ids, samples.completion_mask
-        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(prompts, texts)]
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
+        if sampler is not None:  # a new policy to push before sampling
+            sampler.needs_push |= step > 1
+        prompts = [rows[i]["prompt"] for i in indices]
+        episodes = run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds,
+                                prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
+                                max_calls=args.max_tool_calling_iterations, accelerator=accelerator, **sampling)
+        samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
-        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=episodes.completions,
                                              columns=columns, completion_ids=completion_ids)
         scores = scores.to(accelerator.device)  # minus the penalty of a missing EOS (the EOS trick)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~samples.finished).float()
-        return dict(samples=samples, scores=scores, per_source=per_source, prompts=prompts, texts=texts)
+        return dict(samples=samples, scores=scores, per_source=per_source, prompts=prompts, episodes=episodes,
+                    texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True))
 
     for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
         # ---- ROLLOUT and SCORE: rloo_k completions per prompt, from the current policy; its logprobs
         # and the reference's ----
         batch = draw_batch()
         samples, scores = batch["samples"], batch["scores"]
-        c_ids, c_mask, finished = samples.completion_ids, samples.completion_mask, samples.finished
+        c_ids, c_mask, finished = samples.completion_ids, samples.model_mask, samples.finished  # the model's tokens
         sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device) if sampler is None else samples.sampler_logps
         # the same prompt width on every rank, so that the rollout can be gathered
         p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id,
                                                  pad_first=True)
         p_mask = accelerator.pad_across_processes(samples.prompt_mask, dim=1, pad_index=0, pad_first=True)
-        input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+        # multi-turn: tool results are attended to, not trained
+        input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, samples.completion_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
         old_logps = no_grad_logps(model, input_ids, attention_mask, prompt_width) * mask
         with reference(accelerator, model, ref_model) as ref:
@@ -542,7 +544,10 @@ def main(args: Args):
         for name, values in batch["per_source"].items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if sampler is not None:
-            metrics["vllm/push_seconds"] = push_seconds
+            metrics["vllm/push_seconds"] = sampler.push_seconds
+        if tools:  # TRL's tool metrics, and the episodes' turns
+            e = batch["episodes"]
+            metrics |= episode_metrics(accelerator, e.samples.finished, e.turns, e.calls, e.failures)
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
             table = [{"prompt": p, "completion": t, "score": score}

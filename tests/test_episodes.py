@@ -176,66 +176,142 @@ def test_a_template_that_renders_no_tools_is_one_error(tokenizer):
         load_tools(tokenizer, ["tests.toy_tools:multiply"], None, num_episodes=1)
 
 
-def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch):
-    """grpo.py at its defaults with --environment_factory, the policy's turns scripted (0, 1 or 2 calls before
-    its answer, so the environment's reward, its number of calls, differs within each group): the gradient of
-    its first step against the loss written out here over each episode's own tokens, read by one plain forward
-    of the whole episode; tool results and the template's text around them carry no loss, no KL term and no
-    count in the normaliser. A KL or policy-gradient term over the tool tokens, or a shifted position, fails."""
-    import statistics
+TURNS = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.format(6, 2), "12"]}  # 0, 1, 2 calls
 
-    from algos import grpo
-    from tests.first_step import (assert_gradient, gradient, gradients_before_clipping, grads_of, own_logprobs,
-                                  perturbed_reference, policy_with, weights_of, write_splits)
+
+def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):
+    """module's first step with --environment_factory Calculator, episode j's turns TURNS[j % 3] (so its reward,
+    the number of calls, differs within each group), a perturbed reference: (the gradient record, the policy at
+    the recorded weights, the reference, and per episode its prompt ids, its pieces [(ids, the model's?)] worked
+    out by hand, and its reward)."""
+    from tests.first_step import gradients_before_clipping, perturbed_reference, policy_with, weights_of, write_splits
     from common.models import load_tokenizer
 
     template = tmp_path / "template.jinja"
     template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
         "<|im_end|>", "<|endoftext|>"))
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
-    data = write_splits(tmp_path / "data", rows)
+    args = module.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
+                       reward_model_paths=[], environment_factory="tests.toy_tools:Calculator",
+                       chat_template_path=str(template), max_completion_length=300,
+                       output_dir=str(tmp_path / "out"), **options)
     tokenizer = load_tokenizer(tiny_model, chat_template_path=str(template))
-    eos = tokenizer.eos_token
-    turns = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.format(6, 2), "12"]}
-    args = grpo.Args(model_name_or_path=tiny_model, dataset_name=data, reward_model_paths=[],
-                     environment_factory="tests.toy_tools:Calculator", chat_template_path=str(template),
-                     per_device_train_batch_size=16, max_completion_length=300, output_dir=str(tmp_path / "grpo"))
-    first_seed = args.seed * 10**9
-    sample, calls = scripted(tokenizer, [turns[j % 3] for j in range(16)])
+    n = args.per_device_train_batch_size
+    sample, calls = scripted(tokenizer, [TURNS[j % 3] for j in range(n)])
 
-    def generate(model, tok, prompts, max_new_tokens, seeds, **options):
-        return sample(prompts, [s - first_seed for s in seeds], max_new_tokens)  # episodes 0..15 by seed
-    monkeypatch.setattr(grpo, "generate", generate)
-    loaded = perturbed_reference(monkeypatch, grpo)
-    (record,) = gradients_before_clipping(monkeypatch, grpo.main, args)
-    policy, ref = policy_with(tiny_model, tokenizer, weights_of(record)), loaded[1]
+    def generate(model, tok, prompts, max_new_tokens, seeds, **_):
+        return sample(prompts, [s - args.seed * 10**9 for s in seeds], max_new_tokens)  # episodes 0..n-1 by seed
+    monkeypatch.setattr(module, "generate", generate)
+    loaded = perturbed_reference(monkeypatch, module)
+    (record,) = gradients_before_clipping(monkeypatch, module.main, args)
+    policy = policy_with(tiny_model, tokenizer, weights_of(record))
     prompts = calls[0]["prompts"]  # what the policy saw first: the schemas, the question, reset's string
+    eos = tokenizer.eos_token
     assert all(tokenizer.decode(p).endswith("(a calculator is available)" + eos + "\n<|im_start|>assistant\n")
                for p in prompts)
     # by hand: each episode's tokens, the model's turns (learnt) and the results between them (not)
-    results = {CALL.format(2, 3): "6", CALL.format(6, 2): "12"}
-    rewards, episodes = [], []
-    for j in range(16):
+    results, episodes = {CALL.format(2, 3): "6", CALL.format(6, 2): "12"}, []
+    for j in range(n):
         pieces = []
-        for text in turns[j % 3]:
+        for text in TURNS[j % 3]:
             pieces.append((tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id], True))
             if text in results:
                 pieces.append((tokenizer(glue(results[text], eos), add_special_tokens=False).input_ids, False))
         episodes.append(pieces)
-        rewards.append(float(len(turns[j % 3]) - 1))
+    return args, record, policy, loaded[1], prompts, episodes, [float(len(TURNS[j % 3]) - 1) for j in range(n)]
+
+
+def episode_logps(model, prompt, pieces):
+    """(log pi of every token of the episode after the prompt, one plain forward; 1 on the model's tokens)."""
+    from tests.first_step import own_logprobs
+
+    completion = [t for ids, _ in pieces for t in ids]
+    return own_logprobs(model, prompt, completion), torch.tensor([float(own) for ids, own in pieces for _ in ids])
+
+
+def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch):
+    """grpo.py at its defaults with --environment_factory and a scripted policy: the gradient of its first step
+    against the loss written out here over each episode's own tokens, read by one plain forward of the whole
+    episode; tool results and the template's text around them carry no loss, no KL term and no count in the
+    normaliser. A KL or policy-gradient term over the tool tokens, or a shifted position, fails."""
+    import statistics
+
+    from algos import grpo
+    from tests.first_step import assert_gradient, gradient, grads_of
+
+    args, record, policy, ref, prompts, episodes, rewards = scripted_first_step(
+        grpo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=16)
     advantages = []
-    for g in range(0, 16, args.num_generations):
+    for g in range(0, len(rewards), args.num_generations):
         group = rewards[g:g + args.num_generations]
         advantages += [(r - statistics.mean(group)) / (statistics.stdev(group) + 1e-4) for r in group]
-    tokens = sum(len(ids) for pieces in episodes for ids, learnt in pieces if learnt)
+    tokens = sum(len(ids) for pieces in episodes for ids, own in pieces if own)
     pg = kl = 0.0
     for p, pieces, a in zip(prompts, episodes, advantages):
-        completion = [t for ids, _ in pieces for t in ids]
-        learnt = torch.tensor([learn for ids, learn in pieces for _ in ids], dtype=torch.float)
-        logps = own_logprobs(policy, p, completion)
+        logps, own = episode_logps(policy, p, pieces)
         with torch.no_grad():
-            ref_logps = own_logprobs(ref, p, completion)
+            ref_logps, _ = episode_logps(ref, p, pieces)
         q = ref_logps - logps
-        pg = pg - a * (logps * learnt).sum() / tokens
-        kl = kl + args.beta * ((q.exp() - q - 1) * learnt).sum() / tokens
+        pg = pg - a * (logps * own).sum() / tokens
+        kl = kl + args.beta * ((q.exp() - q - 1) * own).sum() / tokens
     assert_gradient(grads_of(record), {"policy gradient": gradient(pg, policy), "kl": gradient(kl, policy)})
+
+
+def test_rloo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch):
+    """rloo.py at its defaults with --environment_factory and a scripted policy: A_i = R_i - the mean R of the
+    other episodes of its prompt, R = score - kl_coef * sum of KL over the model's tokens only, and the gradient
+    -A grad log pi over those tokens, divided by their count; the score's and the KL penalty's parts checked."""
+    import statistics
+
+    from algos import rloo
+    from tests.first_step import assert_gradient, gradient, grads_of
+
+    args, record, policy, ref, prompts, episodes, scores = scripted_first_step(
+        rloo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=12)
+    logps, own = zip(*(episode_logps(policy, p, pieces) for p, pieces in zip(prompts, episodes)))
+    with torch.no_grad():
+        kl = [((lp.detach() - episode_logps(ref, p, pieces)[0]) * m).sum().item()
+              for lp, m, p, pieces in zip(logps, own, prompts, episodes)]
+    k, tokens = args.rloo_k, sum(m.sum().item() for m in own)
+    terms = {"score": 0.0, "kl penalty": 0.0}
+    for i in range(len(scores)):
+        others = [j for j in range(i - i % k, i - i % k + k) if j != i]
+        a_score = scores[i] - statistics.mean(scores[j] for j in others)
+        a_kl = -args.kl_coef * (kl[i] - statistics.mean(kl[j] for j in others))
+        terms["score"] = terms["score"] - a_score * (logps[i] * own[i]).sum() / tokens
+        terms["kl penalty"] = terms["kl penalty"] - a_kl * (logps[i] * own[i]).sum() / tokens
+    assert_gradient(grads_of(record), {name: gradient(t, policy) for name, t in terms.items()})
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("script", ["grpo", "rloo"])
+def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_path, tiny_model, script):
+    """2 gloo processes whose episodes take 3 turns on rank 0 and 2 on rank 1 (tests/scripted_episodes.py)
+    against 1 process with 2 micro-batches: every rank samples as many turns, the same logged values."""
+    import json
+
+    from tests.conftest import run_script
+    from tests.first_step import write_splits
+    from tests.test_multiprocess import TWO_PROCESSES
+    from tests.test_sft import read_log
+
+    template = tmp_path / "template.jinja"
+    template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
+        "<|im_end|>", "<|endoftext|>"))
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
+    size = ["--per_device_train_batch_size", "8"] + (["--num_generations", "8"] if script == "grpo" else
+                                                      ["--rloo_k", "4"])
+    flags = ["tests/scripted_episodes.py", script, "--model_name_or_path", tiny_model, "--dataset_name",
+             write_splits(tmp_path / "data", rows), "--reward_model_paths", "--environment_factory",
+             "tests.toy_tools:Calculator", "--chat_template_path", str(template), "--max_completion_length", "300",
+             "--max_steps", "2", "--logging_steps", "1", *size]
+    run_script(*flags, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"),
+               launcher=TWO_PROCESSES, env={**os.environ, "ACCELERATE_USE_CPU": "true"})
+    run_script(*flags, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
+    two, one = read_log(str(tmp_path / "two")), read_log(str(tmp_path / "one"))
+    assert len(two) == len(one) == 2 and one[0]["episodes/turns_max"] == 3 and one[0]["tools/call_frequency"] > 0.5
+    for a, b in zip(two, one):
+        for key in ("tools/call_frequency", "episodes/turns_mean", "episodes/turns_max"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        loss = "loss" if script == "grpo" else "loss/policy_avg"
+        assert a[loss] == pytest.approx(b[loss], abs=1e-5), json.dumps([a, b])
