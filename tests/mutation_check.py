@@ -200,7 +200,8 @@ MUTATIONS = [
 
 def copy_project(dest: str):
     """The working tree without caches, outputs or git data."""
-    skip = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "output", "wandb", ".pytest_cache", "*.egg-info")
+    skip = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "output", "wandb", ".pytest_cache", "*.egg-info",
+                                  ".venv*")  # .ci/vllm may be building its environment meanwhile
     shutil.copytree(ROOT, dest, ignore=skip)
 
 
