@@ -195,6 +195,17 @@ MUTATIONS = [
      ["tests/test_sft.py::test_default_first_step_gradient_against_the_cross_entropy_written_out"]),
     ("algos/reward.py", "chosen, rejected = last_token_scores(", "rejected, chosen = last_token_scores(",
      "reward: chosen and rejected swapped where a batch is scored", ["tests/test_reward.py::" + STEP]),
+    # multi-turn episodes (issue 40)
+    ("common/episodes.py", "own[i] + [0] * len(glue)", "own[i] + [1] * len(glue)",
+     "episodes: tool results and the template's glue trained as the model's tokens",
+     ["tests/test_episodes.py::test_a_three_turn_episode_token_by_token"]),
+    ("algos/grpo.py", "attention_mask = torch.cat([p_mask, batch.get(\"episode_mask\", c_mask)], 1)",
+     "attention_mask = torch.cat([p_mask, c_mask], 1)", "grpo: tool results hidden from the policy's forward",
+     ["tests/test_episodes.py::test_grpo_first_step_trains_the_models_tokens_of_each_episode_only"]),
+    ("algos/rloo.py", "samples.completion_ids, samples.model_mask, samples.finished",
+     "samples.completion_ids, samples.completion_mask, samples.finished",
+     "rloo: tool results in the loss, the KL penalty and the token count",
+     ["tests/test_episodes.py::test_rloo_first_step_trains_the_models_tokens_of_each_episode_only"]),
 ]
 
 
