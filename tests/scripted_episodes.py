@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tyro  # noqa: E402
 
 from algos import grpo, rloo  # noqa: E402
-from common.runtime import exit_on_user_error  # noqa: E402
+from common.runtime import exit_on_user_error, stop_on_signal  # noqa: E402
 from tests.test_episodes import TURNS, scripted  # noqa: E402
 
 
@@ -29,5 +29,5 @@ if __name__ == "__main__":
         return sample(prompts, [s - args.seed * 10**9 for s in seeds], max_new_tokens)
 
     module.generate = generate
-    with exit_on_user_error():
+    with exit_on_user_error(), stop_on_signal():
         module.main(args)

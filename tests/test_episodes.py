@@ -291,20 +291,12 @@ def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_
     import json
 
     from tests.conftest import run_script
-    from tests.first_step import write_splits
     from tests.test_multiprocess import TWO_PROCESSES
     from tests.test_sft import read_log
 
-    template = tmp_path / "template.jinja"
-    template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
-        "<|im_end|>", "<|endoftext|>"))
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
     size = ["--per_device_train_batch_size", "8"] + (["--num_generations", "8"] if script == "grpo" else
                                                       ["--rloo_k", "4"])
-    flags = ["tests/scripted_episodes.py", script, "--model_name_or_path", tiny_model, "--dataset_name",
-             write_splits(tmp_path / "data", rows), "--reward_model_paths", "--environment_factory",
-             "tests.toy_tools:Calculator", "--chat_template_path", str(template), "--max_completion_length", "300",
-             "--max_steps", "2", "--logging_steps", "1", *size]
+    flags = [*scripted_flags(tmp_path, tiny_model, script), "--max_steps", "2", "--logging_steps", "1", *size]
     run_script(*flags, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"),
                launcher=TWO_PROCESSES, env={**os.environ, "ACCELERATE_USE_CPU": "true"})
     run_script(*flags, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
@@ -315,3 +307,48 @@ def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_
             assert a[key] == b[key], (key, a[key], b[key])
         loss = "loss" if script == "grpo" else "loss/policy_avg"
         assert a[loss] == pytest.approx(b[loss], abs=1e-5), json.dumps([a, b])
+
+
+def scripted_flags(tmp_path, tiny_model, script: str) -> list[str]:
+    """tests/scripted_episodes.py's command line for `script` on a 4-prompt conversational set with the
+    calculator environment and the test template (EOS ends a turn)."""
+    from tests.first_step import write_splits
+
+    template = tmp_path / "template.jinja"
+    template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
+        "<|im_end|>", "<|endoftext|>"))
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
+    return ["tests/scripted_episodes.py", script, "--model_name_or_path", tiny_model, "--dataset_name",
+            write_splits(tmp_path / "data", rows), "--reward_model_paths", "--environment_factory",
+            "tests.toy_tools:Calculator", "--chat_template_path", str(template), "--max_completion_length", "300"]
+
+
+@pytest.mark.resume
+def test_sigterm_then_resume_with_episodes_equals_an_uninterrupted_run(tmp_path, tiny_model):
+    """grpo with episodes and 2 iterations per rollout (a stop may fall between them, with the rollout's episode
+    statistics in the checkpoint): SIGTERM after the first logged step, resume from `latest`, and the weights
+    and logged values equal the uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import run_script
+    from tests.test_common_checkpoint import records, weights
+
+    flags = [*scripted_flags(tmp_path, tiny_model, "grpo"), "--per_device_train_batch_size", "16",
+             "--num_iterations", "2", "--max_steps", "8", "--logging_steps", "1", "--run_name", "r"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_script(*flags, "--output_dir", str(full))
+    proc = subprocess.Popen([sys.executable, *flags, "--output_dir", str(cut)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log, deadline = cut / "logs" / "r.jsonl", time.time() + 300
+    while not (log.exists() and log.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    run_script(*flags, "--output_dir", str(cut), "--resume_from_checkpoint", "latest")
+    a, b = weights(full), weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records(cut) == records(full) and records(full)[0]["episodes/turns_max"] == 3
