@@ -103,7 +103,7 @@ class Args:
     tools: list[str] = field(default_factory=list)
     """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
     environment_factory: str | None = None
-    """`module:Class`, one per episode: reset(**row), its public methods are tools, get_reward() a reward"""
+    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
     max_tool_calling_iterations: int | None = None
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
     chat_template_path: str | None = None

@@ -30,20 +30,20 @@ class Tools:
     functions: list
     schemas: list
     call_format: str  # "hermes" (<tool_call>{...}</tool_call>) or "llama3" (a bare JSON object)
-    factory: type | None = None
+    environment_class: type | None = None  # what the factory (a class or any callable) returns
     environments: list | None = None
 
     def reward_functions(self) -> list:
         """[(the environment class's name, a reward function calling each episode's get_reward())], if it has one."""
-        if not callable(getattr(self.factory, "get_reward", None)):
+        if not callable(getattr(self.environment_class, "get_reward", None)):
             return []
-        return [(self.factory.__name__, lambda environments, **_: [env.get_reward() for env in environments])]
+        return [(self.environment_class.__name__, lambda environments, **_: [env.get_reward() for env in environments])]
 
     def for_episode(self, i: int) -> dict:
         """name -> callable for episode i: the plain functions and its environment's methods."""
         env = self.environments[i] if self.environments else None
         return {f.__name__: f for f in self.functions} | ({name: getattr(env, name) for name in
-                                                           environment_methods(self.factory)} if env else {})
+                                                           environment_methods(self.environment_class)} if env else {})
 
 
 def environment_methods(cls) -> list[str]:
@@ -69,11 +69,12 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
                         "--dynamic_sampling (an environment's reset may change a prompt, which it could not rebuild)")
     functions = [import_function(spec, "tool") for spec in function_specs]
     factory = import_function(environment_factory, "environment factory") if environment_factory else None
-    if factory is not None and not callable(getattr(factory, "reset", None)):
-        raise UserError(f"environment factory '{environment_factory}' has no reset(**row) method")
+    environments = [factory() for _ in range(num_episodes)] if factory else None  # TRL: any callable
+    cls = type(environments[0]) if factory else None
+    if factory is not None and not callable(getattr(cls, "reset", None)):
+        raise UserError(f"environment factory '{environment_factory}' makes environments with no reset(**row) method")
     schemas = [schema(f, spec) for f, spec in zip(functions, function_specs)] + (
-        [schema(getattr(factory, n), f"{factory.__name__}.{n}") for n in environment_methods(factory)] if factory
-        else [])
+        [schema(getattr(cls, n), f"{cls.__name__}.{n}") for n in environment_methods(cls)] if factory else [])
     if not schemas:
         raise UserError(f"environment factory '{environment_factory}' has no public method for the model to call")
     template = tokenizer.chat_template or ""
@@ -92,8 +93,7 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
         raise UserError(f"tool calls in the chat template's format ({family}) cannot be parsed; use a template that "
                         "writes <tool_call>{...}</tool_call> (ChatML / Qwen / Hermes, e.g. configs/chatml_tools.jinja) "
                         "or Llama 3's bare JSON (--chat_template_path)")
-    return Tools(functions, schemas, call_format, factory,
-                 [factory() for _ in range(num_episodes)] if factory else None)
+    return Tools(functions, schemas, call_format, cls, environments)
 
 
 def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:

@@ -44,11 +44,12 @@ def tiny_model(tiny_task):
 def one_torch_thread():
     """One torch thread for a test that runs a script in-process on the tiny model: a second thread saves
     nothing at that size, and on a 2-core machine shared with other jobs it mostly waits (the ten first-step
-    tests: 7-14 s in all on one thread, 64-146 s on two, on such a machine within the hour)."""
+    tests: 7-14 s in all on one thread, 64-146 s on two, on such a machine within the hour; test_vllm.py's
+    multi-turn test beside the vLLM engine, its training and HF episodes: 235 s on two, 5 s on one)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)  # = torch.set_num_threads, which vLLM's CPU worker replaces by a no-op
     yield
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)
 
 
 @pytest.fixture()

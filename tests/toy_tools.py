@@ -1,5 +1,5 @@
 """Tools and an environment for the multi-turn tests (`--tools tests.toy_tools:multiply`,
-`--environment_factory tests.toy_tools:Calculator`)."""
+`--environment_factory tests.toy_tools:Calculator` or its function factory `make_calculator`)."""
 
 
 def multiply(a: int, b: int) -> int:
@@ -40,3 +40,8 @@ class Calculator:
 
     def get_reward(self) -> float:
         return float(self.used)
+
+
+def make_calculator() -> Calculator:
+    """An environment factory that is a function, not a class (TRL takes any callable)."""
+    return Calculator()
