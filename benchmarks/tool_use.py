@@ -1,0 +1,353 @@
+"""A real model learns to use a tool: SmolLM2-135M-Instruct multiplies two 3-digit numbers with a calculator.
+
+The task: "What is 347 times 812?", a reply right when its last number is the product. The model cannot do it
+alone (0 of the held-out questions, greedy) and, with the calculator offered, never calls it: its own chat
+template renders no tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way) it
+answers from memory. The chain, per seed, each stage a subprocess of the scripts as a user runs them:
+
+1. warm-up (algos/sft.py, multi-turn): --warmup_rows conversations with the calculator's schema in the `tools`
+   column; in a --tool_share of them the assistant calls multiply, reads the result and answers; in the others
+   it answers directly (the true product, which it cannot learn to compute). It learns the call format and
+   calls on about that share of the questions: the rest is left for RL to learn.
+2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (one
+   calculator per episode; its multiply is the tool) and the exact reward `benchmarks.tool_use:correct` (the
+   final reply's last number). Both must learn to call on every question.
+3. evaluate: greedy episodes on --n_test held-out questions with plain transformers (its own loop, not
+   common/episodes.py: each turn re-renders the conversation through the chat template; a call is run, its
+   result appended, at most 2 calls): accuracy (95% Wilson interval per seed; the seeds pooled with a
+   percentile bootstrap over questions), tool calls and turns per episode, share of episodes that called.
+
+    python benchmarks/tool_use.py            # 2 seeds: benchmarks/results/tool_use.{json,md}
+    python benchmarks/tool_use.py --quick    # 2 steps a stage, 8 questions, 1 seed (tests/test_tool_use.py)
+"""
+
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python benchmarks/tool_use.py` puts benchmarks/, not the repo, on the path
+    sys.path.insert(0, ROOT)
+
+from benchmarks import arithmetic  # noqa: E402
+
+TEMPLATE = os.path.join(ROOT, "configs", "chatml_tools.jinja")
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+STAGES = ["warmup", "grpo", "rloo"]
+TITLES = {"start": "start model", "warmup": "SFT warm-up", "grpo": "GRPO (from the warm-up)",
+          "rloo": "RLOO (from the warm-up)"}
+
+
+class Calculator:
+    """One per episode (--environment_factory): its public method is the model's tool."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        return a * b
+
+
+def correct(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number of the episode's final reply is the product (a string: its last message's)."""
+    return arithmetic.correct(completions, answer)
+
+
+@dataclass
+class Args:
+    model_name_or_path: str = ""
+    """start model: a folder or hub name; empty: SmolLM2-135M-Instruct built from PyPI (benchmarks/smollm2.py)"""
+    output_dir: str = "output/tool_use"
+    """data/, start_eval.json and <output_dir>/seed_<n>/<stage>"""
+    results_dir: str = ""
+    """where tool_use.json and .md go; empty: benchmarks/results (in quick mode: <output_dir>)"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    """seeds; each runs the whole chain (warm-up, grpo, rloo)"""
+    jobs: int = 2
+    """stages run at the same time (1 torch thread each)"""
+    quick: bool = False
+    """2 steps a stage, 8 held-out questions, 1 seed: checks that the chain runs and the report is written"""
+    warmup_rows: int = 320
+    """warm-up conversations (sft: one pass, batch 8)"""
+    tool_share: float = 0.3
+    """share of the warm-up conversations that call the calculator"""
+    steps: dict[str, int] = field(default_factory=lambda: {"warmup": 40, "grpo": 10, "rloo": 10})
+    """optimizer steps of each stage (rollouts for rloo)"""
+    learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5})
+    """peak learning rates"""
+    n_test: int = 100
+    """held-out questions evaluated"""
+    max_completion_length: int = 96
+    """tokens of a whole episode (the model's turns, tool results and the template's text between them)"""
+    stage: str = ""
+    """internal: 'evaluate' (with --stage_models) runs the evaluation alone"""
+    stage_models: list[str] = field(default_factory=list)
+    """internal: the model folders --stage evaluate judges"""
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+def problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    while len(rows) < n:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if (a, b) not in seen:
+            seen.add((a, b))
+            rows.append({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "answer": str(a * b)})
+    return rows
+
+
+def write_task(args: Args) -> None:
+    """<output_dir>/data: test.jsonl (held out), prompts/ (prompt + answer), warmup/ (messages + tools)."""
+    from transformers.utils import get_json_schema
+
+    test = problems(300, seed=0)
+    train = problems(2000, seed=1, exclude={tuple(map(int, re.findall(r"\d+", r["prompt"][0]["content"])))
+                                            for r in test})
+    data, tools = os.path.join(args.output_dir, "data"), [get_json_schema(Calculator.multiply)]
+    arithmetic.write_jsonl(test, os.path.join(data, "test.jsonl"))
+    arithmetic.write_jsonl(train[args.warmup_rows:], os.path.join(data, "prompts", "train.jsonl"))
+    rng, warmup = random.Random(0), []
+    for row in train[:args.warmup_rows]:
+        a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
+        answer = {"role": "assistant", "content": f"{a} times {b} is {a * b}."}
+        call = [{"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]},
+                {"role": "tool", "name": "multiply", "content": str(a * b)}]
+        warmup.append({"messages": row["prompt"] + (call if rng.random() < args.tool_share else []) + [answer],
+                       "tools": json.dumps(tools)})
+    arithmetic.write_jsonl(warmup, os.path.join(data, "warmup", "train.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation: greedy episodes with plain transformers
+# ---------------------------------------------------------------------------------------------
+def episodes(model, tokenizer, rows: list[dict], max_calls: int = 2, max_new_tokens: int = 48) -> list[list[dict]]:
+    """Each row's conversation after the prompt: every turn renders the whole conversation so far (the
+    calculator's schema in it), the model replies greedy; a reply with a <tool_call> JSON gets the
+    product back as a tool message, until a reply without a call or max_calls calls."""
+    import torch
+    from transformers.utils import get_json_schema
+
+    tools = [get_json_schema(Calculator.multiply)]
+    talks, active = [[] for _ in rows], list(range(len(rows)))
+    for turn in range(max_calls + 1):
+        if not active:
+            break
+        texts = [tokenizer.apply_chat_template(rows[i]["prompt"] + talks[i], tools=tools, add_generation_prompt=True,
+                                               tokenize=False) for i in active]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        replies = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+        still = []
+        for i, reply in zip(active, replies):
+            found = CALL.findall(reply)
+            if not found or turn == max_calls:
+                talks[i].append({"role": "assistant", "content": reply.strip()})
+                continue
+            calls, results = [], []
+            for body in found:
+                try:
+                    call = json.loads(body)
+                    result = str(Calculator().multiply(**call["arguments"]))
+                except Exception as e:  # the model's JSON or arguments
+                    call, result = {"name": "multiply", "arguments": {}}, str({"error": str(e)})
+                calls.append({"type": "function", "function": {"name": call.get("name"), "arguments":
+                                                               call.get("arguments", {})}})
+                results.append({"role": "tool", "name": "multiply", "content": result})
+            talks[i] += [{"role": "assistant", "content": CALL.split(reply)[0].strip(), "tool_calls": calls}, *results]
+            still.append(i)
+        active = still
+    return talks
+
+
+def evaluate(args: Args) -> None:
+    """<model>/tool_use_eval.json (the start model's: <output_dir>/start_eval.json)."""
+    from benchmarks.real_lm import load_model
+
+    with open(os.path.join(args.output_dir, "data", "test.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:args.n_test]
+    for path in args.stage_models:
+        start = time.time()
+        model, tokenizer = load_model(path, threads=1)
+        if path == args.model_name_or_path:
+            tokenizer.chat_template = open(TEMPLATE).read()
+        talks = [t for i in range(0, len(rows), 25) for t in episodes(model, tokenizer, rows[i:i + 25])]
+        right = [int(x) for x in correct(talks, [r["answer"] for r in rows])]
+        calls = [sum(len(m.get("tool_calls", [])) for m in t) for t in talks]
+        result = {"model": path, "n": len(rows), "correct": right, "accuracy": sum(right) / len(rows),
+                  "ci95": arithmetic.wilson(sum(right), len(rows)), "calls": sum(calls) / len(rows),
+                  "called": sum(c > 0 for c in calls) / len(rows),
+                  "turns": sum(sum(m["role"] == "assistant" for m in t) for t in talks) / len(rows),
+                  "eval_seconds": time.time() - start,
+                  "examples": [{"question": r["prompt"][-1]["content"], "answer": r["answer"], "episode": t}
+                               for r, t in zip(rows[:4], talks[:4])]}
+        out = (os.path.join(args.output_dir, "start_eval.json") if path == args.model_name_or_path
+               else os.path.join(path, "tool_use_eval.json"))
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the chain: stage command lines, run, report
+# ---------------------------------------------------------------------------------------------
+def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
+    run_dir, data = os.path.join(args.output_dir, f"seed_{seed}"), os.path.join(args.output_dir, "data")
+    batch = 2 if args.quick else 8
+    common = ["--seed", str(seed), "--output_dir", os.path.join(run_dir, name), "--run_name",
+              f"tool_{name}__{seed}__{stamp}", "--overwrite_output_dir", "--logging_steps", "1", "--max_steps",
+              str(args.steps[name]), "--learning_rate", str(args.learning_rates[name])]
+    if name == "warmup":
+        return ["algos/sft.py", "--model_name_or_path", args.model_name_or_path, "--dataset_name",
+                os.path.join(data, "warmup"), "--chat_template_path", TEMPLATE, "--per_device_train_batch_size",
+                str(batch), "--max_length", "384", "--dataset_test_split", "", *common]
+    completions = 4 if args.quick else 16
+    group = ["--num_generations", str(min(8, completions))] if name == "grpo" else [
+        "--rloo_k", "4", "--num_ppo_epochs", "1"]
+    return [f"algos/{name}.py", "--model_name_or_path", os.path.join(run_dir, "warmup"), "--dataset_name",
+            os.path.join(data, "prompts"), "--reward_model_paths", "--reward_funcs", "benchmarks.tool_use:correct",
+            "--environment_factory", "benchmarks.tool_use:Calculator", "--max_tool_calling_iterations", "2",
+            "--per_device_train_batch_size", str(completions), *group, "--temperature", "0.7",
+            "--max_prompt_length", "384", "--max_completion_length", str(args.max_completion_length), *common]
+
+
+def chain(args: Args, stamp: int) -> dict:
+    """{key: (argv, keys it waits for, log)}: the start model's evaluation; per seed warm-up, then grpo and
+    rloo, each evaluated when trained."""
+    me = ["benchmarks/tool_use.py", "--model_name_or_path", args.model_name_or_path, "--output_dir", args.output_dir,
+          "--n_test", str(args.n_test), "--stage", "evaluate", "--stage_models"]
+    stages = {}
+    for seed in args.seeds:
+        run_dir = os.path.join(args.output_dir, f"seed_{seed}")
+        for name in STAGES:
+            stages[seed, name] = (stage_argv(name, seed, args, stamp), [] if name == "warmup" else [(seed, "warmup")],
+                                  os.path.join(run_dir, "logs", f"{name}.log"))
+    stages["start"] = (me + [args.model_name_or_path], [], os.path.join(args.output_dir, "logs", "start.log"))
+    for seed in args.seeds:
+        run_dir = os.path.join(args.output_dir, f"seed_{seed}")
+        for name in STAGES:
+            stages[seed, name, "eval"] = (me + [os.path.join(run_dir, name)], [(seed, name)],
+                                          os.path.join(run_dir, "logs", f"{name}_eval.log"))
+    return stages
+
+
+def collect(args: Args, seconds: dict) -> dict:
+    from benchmarks.real_lm import bootstrap
+    from benchmarks.run_tiny_tldr import read_log, seconds_per_step
+
+    with open(os.path.join(args.output_dir, "start_eval.json")) as f:
+        result = {"start": json.load(f), "methods": {}}
+    for name in STAGES:
+        runs = {}
+        for seed in args.seeds:
+            folder = os.path.join(args.output_dir, f"seed_{seed}", name)
+            with open(os.path.join(folder, "tool_use_eval.json")) as f:
+                runs[str(seed)] = json.load(f)
+            merged, steps = read_log(next(os.path.join(folder, "logs", p) for p in os.listdir(
+                os.path.join(folder, "logs")) if p.endswith(".jsonl")))
+            runs[str(seed)].update(seconds=seconds[seed, name], seconds_per_step=seconds_per_step(steps),
+                                   train_log=[{k: v for k, v in r.items() if k.startswith(
+                                       ("tools/", "episodes/", "rewards/", "loss", "step"))} for r in steps])
+        per_question = [list(q) for q in zip(*(r["correct"] for r in runs.values()))]
+        accuracy = sum(map(sum, per_question)) / (len(per_question) * len(runs))
+        result["methods"][name] = {"runs": runs, "accuracy": accuracy, "ci95": bootstrap(per_question),
+                                   "calls": sum(r["calls"] for r in runs.values()) / len(runs),
+                                   "called": sum(r["called"] for r in runs.values()) / len(runs),
+                                   "turns": sum(r["turns"] for r in runs.values()) / len(runs)}
+        if name != "warmup":  # calls per episode sampled in training (temperature 0.7): first and last step
+            result["methods"][name]["train_calls"] = [sum(r["train_log"][k]["tools/call_frequency"] for r in
+                                                          runs.values()) / len(runs) for k in (0, -1)]
+    return result
+
+
+def markdown(r: dict, args: Args) -> str:
+    pct = "{:.1%}".format
+    rows = [f"| {TITLES['start']} | {pct(r['start']['accuracy'])} ({pct(r['start']['ci95'][0])} - "
+            f"{pct(r['start']['ci95'][1])}, Wilson) | | {r['start']['called']:.0%} | {r['start']['calls']:.2f} | "
+            f"{r['start']['turns']:.2f} | | |"]
+    for name, m in r["methods"].items():
+        runs = m["runs"].values()
+        per_seed = ", ".join(f"{pct(x['accuracy'])} ({pct(x['ci95'][0])} - {pct(x['ci95'][1])})" for x in runs)
+        train = "{:.2f} -> {:.2f}".format(*m["train_calls"]) if "train_calls" in m else ""
+        time_ = ", ".join(f"{x['seconds'] / 60:.1f}" for x in runs)
+        rows.append(f"| {TITLES[name]} | **{pct(m['accuracy'])}** ({pct(m['ci95'][0])} - {pct(m['ci95'][1])}) | "
+                    f"{per_seed} | {m['called']:.0%} | {m['calls']:.2f} | {m['turns']:.2f} | {train} | {time_} |")
+    columns = ["model", "accuracy (95% CI)", "per seed (95% Wilson)", "called", "calls / episode", "turns / episode",
+               "sampled calls / episode, step 1 -> last", "wall time (min)"]
+    header = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
+    quick = "\n**QUICK MODE: 2 steps a stage; the numbers mean nothing.**\n" if args.quick else ""
+    s = r["settings"]
+    return f"""# A real model learns to use a tool: SmolLM2-135M-Instruct, 3-digit multiplication, a calculator
+{quick}
+Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min.
+
+Held-out greedy episodes on {s['n_test']} questions ("What is 347 times 812?"; right when the final reply's last
+number is the product), at most 2 calculator calls each. Accuracy: mean over seeds {', '.join(map(str, s['seeds']))}
+with a 95% percentile bootstrap over questions (each question's correctness averaged over the seeds); per seed,
+the 95% Wilson interval. Called: share of episodes with a tool call; calls and turns (assistant replies) per
+episode; in training (sampled at temperature 0.7), TRL's tools/call_frequency at the first and last step,
+mean over seeds. Wall time: the stage's training run, minutes, per seed ({s['jobs']} stages at a time, 1 torch
+thread each).
+
+{header}
+{chr(10).join(rows)}
+
+Warm-up: algos/sft.py on {s['warmup_rows']} conversations ({s['tool_share']:.0%} call the calculator, the rest answer
+directly), {s['steps']['warmup']} steps of 8, lr {s['learning_rates']['warmup']}, `--chat_template_path
+configs/chatml_tools.jinja`. GRPO: {s['steps']['grpo']} steps of 2 prompts x 8 episodes; RLOO: {s['steps']['rloo']}
+rollouts of 4 prompts x 4, one pass; both at temperature 0.7, lr {s['learning_rates']['grpo']} /
+{s['learning_rates']['rloo']}, `--environment_factory benchmarks.tool_use:Calculator --max_tool_calling_iterations 2
+--max_completion_length {s['max_completion_length']}`, reward `benchmarks.tool_use:correct`, the scripts' other
+defaults.
+"""
+
+
+def main(args: Args):
+    if args.quick:
+        args.steps, args.n_test, args.seeds = {k: 2 for k in args.steps}, 8, args.seeds[:1]
+    if not args.model_name_or_path:
+        from benchmarks import smollm2
+
+        args.model_name_or_path = smollm2.build()
+    if args.stage == "evaluate":
+        return evaluate(args)
+    from benchmarks.run_tiny_tldr import run_stages
+
+    os.chdir(ROOT)  # the environment and reward are imported from the working directory
+    start = time.time()
+    write_task(args)
+    seconds = run_stages(chain(args, int(start)), args.jobs, threads=1)
+    result = collect(args, seconds)
+    result.update(settings=asdict(args), total_seconds=time.time() - start, date=datetime.date.today().isoformat(),
+                  command=shlex.join(["python", "benchmarks/tool_use.py", *sys.argv[1:]]),
+                  machine=f"{os.cpu_count()} CPU cores ({platform.machine()})", model=args.model_name_or_path)
+    results_dir = args.results_dir or (args.output_dir if args.quick else os.path.join(ROOT, "benchmarks", "results"))
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "tool_use.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    report = markdown(result, args)
+    with open(os.path.join(results_dir, "tool_use.md"), "w") as f:
+        f.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
