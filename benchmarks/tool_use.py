@@ -165,6 +165,8 @@ def episodes(model, tokenizer, rows: list[dict], max_calls: int = 2, max_new_tok
             for body in found:
                 try:
                     call = json.loads(body)
+                    if call["name"] != "multiply":  # as training answers it: an unknown tool is a failed call
+                        raise ValueError(f"Tool {call['name']} not found.")
                     result = str(Calculator().multiply(**call["arguments"]))
                 except Exception as e:  # the model's JSON or arguments
                     call, result = {"name": "multiply", "arguments": {}}, str({"error": str(e)})

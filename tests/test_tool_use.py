@@ -46,6 +46,10 @@ def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2):  # noqa:
     assert talks[0][2] == {"role": "assistant", "content": "It is 12."}
     assert tool_use.correct(talks, [rows[0]["answer"]]) == [0.0]  # the final reply is read, not the tool's result
     assert tool_use.correct(talks, ["12"]) == [1.0]
+    # a call to a tool that does not exist is answered with an error, not run as multiply
+    model = Scripted(tokenizer, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "5"])
+    talks = tool_use.episodes(model, tokenizer, rows[:1])
+    assert talks[0][1]["content"] == str({"error": "Tool add not found."})
 
 
 @pytest.mark.realmodel
