@@ -16,6 +16,8 @@ the geometric mean of the token ratios (GSPO, Zheng et al. 2025); batch-std scal
 reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
 CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
 Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
+Asynchronous (--max_staleness K, common/rollouts.py; batches drawn by pi_b, up to K rollouts older): decoupled PPO
+(Hilton et al. 2022; AReaL, Fu et al. 2025) clips to pi_old as at K = 0 and weights tokens by min(pi_old / pi_b, C).
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \
@@ -41,9 +43,10 @@ from common.episodes import episode_metrics, load_tools, run_episodes
 from common.generation import generate, pad, shifted_logits, token_entropy, token_logprobs
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
+from common.rollouts import RolloutStream
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights, sample_with
+from common.vllm import VLLMSampler, importance_metrics, importance_weights, sampler_options
 
 
 @dataclass
@@ -84,6 +87,10 @@ class Args:
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
     max_dynamic_sampling_rounds: int = 10
     """generation batches sampled at most per rollout; then constant groups fill what is missing"""
+    max_staleness: int = 0
+    """K: sample generation batches up to K rollouts ahead, in a background thread, while updating (0: in turn)"""
+    async_importance_sampling_cap: float = 2.0
+    """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
     # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
     model_name_or_path: str = "output/sft"
@@ -318,8 +325,7 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
 
 @dataclass
 class Rollout:
-    """One generation batch (this process's share) and what the num_iterations updates on it need;
-    carried between those updates, and saved in a checkpoint taken between two of them."""
+    """One generation batch (this process's share) and what its num_iterations updates need (checkpointed)."""
     input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
     attention_mask: torch.Tensor
     prompt_width: int  # P
@@ -330,7 +336,7 @@ class Rollout:
     num_items: torch.Tensor  # the dapo normaliser (see grpo_loss)
     old_logps: list  # per micro-batch [b, T], the sampling-time policy's (None when num_iterations == 1)
     ref_logps: list  # per micro-batch [b, T] (None when beta == 0)
-    sampler_logps: torch.Tensor | None  # [B, T] the vLLM sampler's own logprobs
+    sampler_logps: torch.Tensor | None  # [B, T] the vLLM sampler's own logprobs; K >= 1: the behaviour policy's
     rewards: torch.Tensor  # [B] this process's, NaN where unscorable
     all_rewards: torch.Tensor  # [global batch]
     per_source: dict  # reward source name -> [B]
@@ -358,13 +364,7 @@ def main(args: Args):
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
-        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
-    if args.use_vllm and args.vllm_importance_sampling_cap and args.repetition_penalty != 1:  # README: sampler mismatch
-        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
-                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
-    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
-        VLLMSampler.check(accelerator, **vllm_options)
+    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -381,9 +381,8 @@ def main(args: Args):
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
                   gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
-    ref_model = None
-    if args.beta and not args.use_peft:  # frozen, never wrapped for DDP; beta == 0 needs none, LoRA turns adapters off
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype)) if (
+        args.beta and not args.use_peft) else None  # frozen, never wrapped; beta 0 needs none, LoRA turns adapters off
     truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.repetition_penalty, **truncation)
@@ -407,39 +406,38 @@ def main(args: Args):
                       f"generation batch, {args.num_generations} per prompt; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
+    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # episode: completions taken
+    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
     # endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks); on resume
-    # from the data position of the checkpoint (a batch per rollout)
+    # from the data position of the checkpoint (a batch per generation batch requested)
     prompts_iter = prompt_batches(len(rows), args.generation_batch_size // args.num_generations, args.num_generations,
                                   seed=args.seed, rank=accelerator.process_index, local_size=local_size,
-                                  skip=resumed.get("episode", 0) // args.generation_batch_size)
+                                  skip=resumed.get("requested", episode) // args.generation_batch_size)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
-    step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # the episode also gives the sampling seeds
-    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
 
-    sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.ds3_gather_for_generation,
-                         generate=generate)
+    def draw(indices, seeds, sample, tokenizer, accelerator):
+        """ROLLOUT: num_generations completions per prompt (multi-turn: each the rest of its episode); K >= 1: ahead."""
+        return run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds, accelerator=accelerator,
+                            prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
+                            max_calls=args.max_tool_calling_iterations, **sampling)
 
-    def draw_batch(first: bool) -> dict:
-        """ROLLOUT and SCORE: the next generation batch (this rank's share of its prompts), num_generations
-        completions per prompt from the current policy, and their rewards (NaN: no source scored it). Multi-turn:
-        a completion is the rest of its episode, tool results as context; only the model's tokens are trained."""
+    # the generation batches in data order, a seed per completion from its place in the run; K >= 1: drawn ahead
+    stream = RolloutStream(accelerator, draw, prompts_iter, vars(args), resumed, batch_size=args.generation_batch_size,
+                           model=model, tokenizer=tokenizer, sampler=sampler, generate=generate,
+                           logps=lambda policy, ids, mask, width: torch.cat([completion_logps(  # the behaviour's
+                               policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))
+
+    def draw_batch() -> dict:
+        """SCORE: the stream's next batch (K >= 1: drawn by a policy up to K rollouts older) and its rewards (NaN)."""
         nonlocal episode
-        indices = next(prompts_iter)
-        # one seed per completion, from its place in the run: the same samples on 1 or N processes
-        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        indices, episodes = stream.next_batch(step // args.num_iterations)  # K >= 1: sampler_logps, the behaviour's
         episode += args.generation_batch_size
-        if sampler is not None:  # a new policy to push before sampling
-            sampler.needs_push |= first and step > 0
-        prompts = [rows[i]["prompt"] for i in indices]
-        episodes = run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds,
-                                prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
-                                max_calls=args.max_tool_calling_iterations, accelerator=accelerator, **sampling)
         samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
-        completion_ids = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
-        rewards, per_source = compute_rewards(sources, weights, prompts=prompts, completions=episodes.completions,
-                                              columns=columns, completion_ids=completion_ids)
+        rewards, per_source = compute_rewards(sources, weights, prompts=[rows[i]["prompt"] for i in indices],
+                                              completions=episodes.completions, columns=columns,
+                                              completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
         rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
         if args.missing_eos_penalty is not None:
             rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
@@ -451,18 +449,17 @@ def main(args: Args):
                     sampler_logps=samples.sampler_logps, **(episodes.batch() if tools else {}))
 
     def dynamic_sampling(batch: dict) -> tuple[dict, int]:
-        """DAPO: draw generation batches until generation_batch_size completions (every rank's, in rank order)
-        belong to groups whose rewards differ, or max_dynamic_sampling_rounds are drawn (constant groups then
-        fill the rest); this rank's share of those, and the number of batches drawn."""
+        """DAPO: draw generation batches until generation_batch_size completions (every rank's, in rank order) belong
+        to groups whose rewards differ, or max_dynamic_sampling_rounds are drawn (constant groups fill the rest)."""
         pool = []  # (informative rows, the batch's rows of all ranks)
         while True:
             batch = {k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items() if v is not None}
-            informative = informative_groups(batch["rewards"], args.num_generations)
-            pool.append((informative.repeat_interleave(args.num_generations), batch))
+            pool.append((informative_groups(batch["rewards"], args.num_generations).repeat_interleave(
+                args.num_generations), batch))
             if sum(int(keep.sum()) for keep, _ in pool) >= args.generation_batch_size or \
                     len(pool) >= args.max_dynamic_sampling_rounds:
                 break
-            batch = draw_batch(first=False)
+            batch = draw_batch()
         kept = {k: torch.cat([b[k][keep] for keep, b in pool] + [b[k][~keep] for keep, b in pool]) for k in batch}
         return {k: v[:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index]
                 for k, v in kept.items()}, len(pool)
@@ -472,8 +469,9 @@ def main(args: Args):
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if rollout is None:
-            # ---- ROLLOUT and SCORE: num_generations completions per prompt, from the current policy ----
-            batch, draws = draw_batch(first=True), 1
+            # ---- ROLLOUT and SCORE: num_generations completions per prompt, from the current policy (K = 0) ----
+            stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
+            batch, draws = draw_batch(), 1
             if args.dynamic_sampling:  # only groups whose rewards differ (every advantage of the others is 0)
                 batch, draws = dynamic_sampling(batch)
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
@@ -507,12 +505,11 @@ def main(args: Args):
                                                       args.temperature, **truncation) for s in micro]
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=p_ids.shape[1],
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
-                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps,
-                              sampler_logps=batch.get("sampler_logps"), rewards=rewards, all_rewards=all_rewards,
+                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, rewards=rewards,
+                              sampler_logps=batch.get("sampler_logps"), prompts=[rows[i]["prompt"] for i in indices],
                               per_source=dict(zip([name for name, _, _ in sources], batch["per_source"].T)),
-                              prompts=[rows[i]["prompt"] for i in indices],
-                              texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True), draws=draws,
-                              episodes={k: batch[k] for k in ("turns", "calls", "failures")} if tools else None)
+                              all_rewards=all_rewards, texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True),
+                              draws=draws, episodes=tools and {k: batch[k] for k in ("turns", "calls", "failures")})
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
         r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
@@ -522,11 +519,15 @@ def main(args: Args):
                                                   args.temperature, entropy=True, **truncation)
                 old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                if r.sampler_logps is not None and args.vllm_importance_sampling_cap:
+                if r.sampler_logps is not None and args.vllm_importance_sampling_cap:  # (never with K >= 1)
                     is_weights, is_stats = importance_weights(
                         old, r.sampler_logps[s], r.completion_mask[s], mode=args.vllm_importance_sampling_mode,
                         low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
                     corrections.append(is_stats)
+                if args.max_staleness:  # decoupled PPO: the clip is to pi_old (mu == 1: the policy now), and each
+                    stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]  # token weighs pi_old / pi_behaviour
+                    stats["async/importance_ratio"] += stale.sum() / r.loss_mask[s].sum().clamp(min=1)
+                    is_weights = is_weights * stale.clamp(max=args.async_importance_sampling_cap)
                 pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
                 loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
                                         loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
@@ -569,16 +570,12 @@ def main(args: Args):
             "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
             "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
             "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
-            **({"vllm/push_seconds": sampler.push_seconds} if sampler is not None else {}),
-            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
-        if r.episodes:  # TRL's tool metrics, and the episodes' turns
-            metrics.update(episode_metrics(accelerator, r.finished, **r.episodes))
+            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {}),  # generation batches drawn
+            **(episode_metrics(accelerator, r.finished, **r.episodes) if r.episodes else {}),  # TRL's tool metrics
+            **stream.metrics()})  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
         for name, values in r.per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-        for k in corrections[0] if corrections else ():  # TRL's names; mean and share: over micro-batches
-            v = accelerator.gather(torch.stack([d[k] for d in corrections]))
-            reduce = {"min": torch.amin, "max": torch.amax}.get(k, torch.mean)
-            metrics[f"sampling/importance_sampling_ratio/{k}"] = reduce(v).item()
+        metrics.update(importance_metrics(accelerator, corrections))  # TRL's names; over micro-batches
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
                                  zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
@@ -586,9 +583,11 @@ def main(args: Args):
         if step % args.num_iterations == 0:  # the next step samples a new rollout
             rollout = None
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
-        checkpointer.end_of_step(step, {"episode": episode, "rollout": rollout and vars(rollout)})
+        checkpointer.end_of_step(step, lambda: {"episode": episode, "rollout": rollout and vars(rollout),
+                                                **stream.state()})
 
     # ---- SAVE ----
+    stream.close()
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
     tracker.close()

@@ -40,7 +40,7 @@ from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.rewards import compute_rewards, import_function, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler
+from common.vllm import VLLMSampler, sampler_options
 
 
 @dataclass
@@ -265,10 +265,7 @@ def main(args: Args):
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
                         f"under max_length {args.max_length}")
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
-        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
-    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
-        VLLMSampler.check(accelerator, **vllm_options)
+    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)

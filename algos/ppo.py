@@ -41,7 +41,7 @@ from common.models import (adapt, hint_learning_rate, load_policy, load_reward_m
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights
+from common.vllm import VLLMSampler, importance_weights, sampler_options
 
 
 @dataclass
@@ -340,10 +340,7 @@ def main(args: Args):
     per_device = args.per_device_train_batch_size
     mini_size = per_device * args.gradient_accumulation_steps
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
-        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
-    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
-        VLLMSampler.check(accelerator, **vllm_options)
+    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)

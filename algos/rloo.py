@@ -42,9 +42,10 @@ from common.episodes import episode_metrics, load_tools, run_episodes
 from common.generation import generate, shifted_logits, token_entropy, token_logprobs
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
+from common.rollouts import RolloutStream
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights, sample_with
+from common.vllm import VLLMSampler, importance_weights, sampler_options
 
 
 @dataclass
@@ -76,6 +77,10 @@ class Args:
     """optimizer steps per pass (each of gradient_accumulation_steps micro-batches)"""
     missing_eos_penalty: float | None = None
     """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
+    max_staleness: int = 0
+    """K: sample rollouts up to K rollouts ahead, in a background thread, while updating (0: in turn)"""
+    async_importance_sampling_cap: float = 2.0
+    """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
     # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
     model_name_or_path: str = "output/sft"
@@ -337,13 +342,7 @@ def main(args: Args):
     per_device = args.per_device_train_batch_size
     mini_size = per_device * args.gradient_accumulation_steps
 
-    vllm_options = dict(seed=args.seed, dtype=args.torch_dtype, use_peft=args.use_peft, **{  # --vllm_<x> as <x>
-        k.removeprefix("vllm_"): v for k, v in vars(args).items() if k.startswith("vllm_") and "importance" not in k})
-    if args.use_vllm and args.vllm_importance_sampling_cap and args.repetition_penalty != 1:  # README: sampler mismatch
-        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
-                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
-    if args.use_vllm:  # fail before anything loads: vLLM installed, options compatible, the server up
-        VLLMSampler.check(accelerator, **vllm_options)
+    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -396,33 +395,35 @@ def main(args: Args):
                                                args.temperature, **truncation)
                               for i in range(0, len(input_ids), args.per_device_train_batch_size)])
 
+    episode = resumed.get("episode", 0)  # completions taken
+    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
     # endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks); on resume
-    # from the data position of the checkpoint (a batch per rollout)
+    # from the data position of the checkpoint (a batch per rollout requested)
     prompts_iter = prompt_batches(len(rows), args.rollout_batch_size // args.rloo_k, args.rloo_k, seed=args.seed,
-                                  rank=accelerator.process_index, local_size=local_size, skip=resumed.get("step", 0))
+                                  rank=accelerator.process_index, local_size=local_size,
+                                  skip=resumed.get("requested", episode) // args.rollout_batch_size)
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     if resumed:
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
-    episode = resumed.get("episode", 0)  # the episode counter also gives the sampling seeds
-    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
-    sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.ds3_gather_for_generation,
-                         generate=generate)
+
+    def draw(indices, seeds, sample, tokenizer, accelerator):
+        """ROLLOUT: rloo_k completions per prompt (multi-turn: each the rest of its episode); K >= 1: ahead."""
+        return run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds, accelerator=accelerator,
+                            prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
+                            max_calls=args.max_tool_calling_iterations, **sampling)
+
+    # the rollouts in data order, a seed per completion from its place in the run; K >= 1: drawn ahead
+    stream = RolloutStream(accelerator, draw, prompts_iter, vars(args), resumed, batch_size=args.rollout_batch_size,
+                           model=model, tokenizer=tokenizer, sampler=sampler, generate=generate,
+                           logps=no_grad_logps)  # the behaviour's
 
     def draw_batch() -> dict:
-        """ROLLOUT and SCORE: the next rollout (this rank's share of its prompts), rloo_k completions per prompt
-        from the current policy, and their scores (NaN: no source scored it). Multi-turn: a completion is the
-        rest of its episode, tool results as context; only the model's tokens (samples.model_mask) are trained."""
+        """SCORE: the stream's next rollout (K >= 1: drawn by a policy up to K rollouts older) and its scores (NaN:
+        no source scored it); only the model's tokens (samples.model_mask) are trained."""
         nonlocal episode
-        indices = next(prompts_iter)
-        # one seed per completion, from its place in the run: the same samples on 1 or N processes
-        seeds = [args.seed * 10**9 + episode + accelerator.process_index * local_size + j for j in range(local_size)]
+        indices, episodes = stream.next_batch(step - 1)  # K >= 1: sampler_logps, the behaviour's
         episode += args.rollout_batch_size
-        if sampler is not None:  # a new policy to push before sampling
-            sampler.needs_push |= step > 1
         prompts = [rows[i]["prompt"] for i in indices]
-        episodes = run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds,
-                                prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
-                                max_calls=args.max_tool_calling_iterations, accelerator=accelerator, **sampling)
         samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
@@ -437,10 +438,12 @@ def main(args: Args):
     for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
         # ---- ROLLOUT and SCORE: rloo_k completions per prompt, from the current policy; its logprobs
         # and the reference's ----
+        stream.publish(model, step - 1)  # the weights the next rollouts are drawn from
         batch = draw_batch()
         samples, scores = batch["samples"], batch["scores"]
         c_ids, c_mask, finished = samples.completion_ids, samples.model_mask, samples.finished  # the model's tokens
-        sampler_logps = torch.zeros(c_ids.shape, device=c_ids.device) if sampler is None else samples.sampler_logps
+        sampler_logps = (torch.zeros(c_ids.shape, device=c_ids.device) if samples.sampler_logps is None
+                         else samples.sampler_logps)  # vLLM's; K >= 1: the behaviour policy's
         # the same prompt width on every rank, so that the rollout can be gathered
         p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id,
                                                  pad_first=True)
@@ -484,6 +487,11 @@ def main(args: Args):
                                                       mode=args.vllm_importance_sampling_mode,
                                                       low=args.vllm_importance_sampling_clip_min,
                                                       high=args.vllm_importance_sampling_cap)
+        if args.max_staleness:  # the clipped ratio is to pi_old (the policy now); the staleness pi_old /
+            # pi_behaviour weights each token, truncated (decoupled PPO, module docstring)
+            stale = torch.exp(old_logps - sampler_logps) * sampled
+            is_stats["async/importance_ratio"] = stale.sum() / sampled.sum().clamp(min=1)
+            is_weights = stale.clamp(max=args.async_importance_sampling_cap)
         r = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width, mask=all_mask,
                     old_logps=old_logps, advantages=advantages, is_weights=is_weights)
 
@@ -543,21 +551,22 @@ def main(args: Args):
                     "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in batch["per_source"].items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-        if sampler is not None:
-            metrics["vllm/push_seconds"] = sampler.push_seconds
         if tools:  # TRL's tool metrics, and the episodes' turns
             e = batch["episodes"]
             metrics |= episode_metrics(accelerator, e.samples.finished, e.turns, e.calls, e.failures)
-        metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
+        metrics |= {k if "/" in k else f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in
+                    is_stats.items()} | stream.metrics()  # TRL's names; vllm/push_seconds, async/*
         if step % args.eval_steps == 0 or step == 1:
             table = [{"prompt": p, "completion": t, "score": score}
                      for p, t, score in zip(batch["prompts"], batch["texts"], scores.tolist())]
             tracker.log_samples(table[:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
-        checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})
+        checkpointer.end_of_step(step, lambda: {"episode": episode, "shuffler": shuffler.get_state(),
+                                                **stream.state()})
 
     # ---- SAVE ----
+    stream.close()
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")

@@ -168,7 +168,7 @@ class Checkpointer:
                             + (f" ({os.path.join(self.root, newest)}) with --resume_from_checkpoint latest" if newest
                                else " (there is none: pass --save_steps to keep some)"))
         if stop or nonfinite or (self.save_steps and step % self.save_steps == 0):
-            path = self.save(step, state)
+            path = self.save(step, state() if callable(state) else state)  # a function: built only to be saved
             if stop:
                 acc.print(f"stopped by {signal.Signals(int(stop)).name} after step {step}; checkpoint in {path}; "
                           "continue with --resume_from_checkpoint latest")

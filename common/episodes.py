@@ -193,7 +193,8 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
     completions, finished = [[] for _ in range(n)], [False] * n
     turns, calls, failures, call_turns = [0] * n, [0] * n, [0] * n, [0] * n
     active, turn = list(range(n)), 0
-    while accelerator.reduce(torch.tensor(float(bool(active)), device=accelerator.device), "max").item() > 0:
+    while (bool(active) if accelerator is None else  # None: no other process to keep in step (a local sampler)
+           accelerator.reduce(torch.tensor(float(bool(active)), device=accelerator.device), "max").item() > 0):
         todo = active or [0]  # with nothing left here: one token, dropped
         budget = max(max_new_tokens - len(ids[i]) for i in active) if active else 1
         out = sample([context[i] + ids[i] for i in todo], [seeds[i] + turn * 2**48 for i in todo],

@@ -38,7 +38,7 @@ def _hf_parameters(model):
         yield name, param
 
 
-def _full_parameters(accelerator, model):
+def full_parameters(accelerator, model):
     """(HF name, full tensor), one at a time (gathered alone under ZeRO-3 and FSDP2, on every rank). A LoRA
     layer's weight goes out as base + the adapters' delta, computed aside: merging into a bf16 base and back
     would not restore it exactly, and the base (also the KL reference) would drift with every push."""
@@ -122,6 +122,17 @@ def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: 
                                                         masked_fraction=outside[real].float().mean())
 
 
+def importance_metrics(accelerator, corrections: list) -> dict:
+    """TRL's sampling/importance_sampling_ratio/* from importance_weights' statistics of several micro-batches, over
+    every process: min of the mins, max of the maxes, mean of the rest."""
+    metrics = {}
+    for k in corrections[0] if corrections else ():
+        v = accelerator.gather(torch.stack([d[k] for d in corrections]))
+        metrics[f"sampling/importance_sampling_ratio/{k}"] = {"min": torch.amin, "max": torch.amax}.get(
+            k, torch.mean)(v).item()
+    return metrics
+
+
 def sample_with(accelerator, model, tokenizer, sampler, *, gather: bool, generate):
     """sample(prompt_ids, seeds, **options) -> Samples: by the VLLMSampler, the policy's weights pushed first when
     they are stale (needs_push), or with `generate` (common.generation's, as the script imported it) on the
@@ -134,6 +145,37 @@ def sample_with(accelerator, model, tokenizer, sampler, *, gather: bool, generat
             sampler.push_weights(model)
         return sampler.generate(tokenizer, prompts, seeds=seeds, **options)
     return sample
+
+
+def sampler_options(args: dict, accelerator) -> dict:
+    """A script's --vllm_<x> flags as the VLLMSampler's <x> options, checked before anything loads: with
+    --use_vllm, vLLM installed, the options compatible, the server up; --max_staleness's needs (common/rollouts.py)."""
+    options = dict(seed=args["seed"], dtype=args["torch_dtype"], use_peft=args["use_peft"], **{
+        k.removeprefix("vllm_"): v for k, v in args.items() if k.startswith("vllm_") and "importance" not in k})
+    use_vllm, cap, k = args["use_vllm"], args.get("vllm_importance_sampling_cap"), args.get("max_staleness", 0)
+    if use_vllm and cap and args.get("repetition_penalty", 1) != 1:  # README: sampler mismatch
+        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
+                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
+    if k < 0:
+        raise UserError(f"--max_staleness must be >= 0 (got {k})")
+    if k and use_vllm and options["mode"] == "colocate":
+        raise UserError("--max_staleness with a colocated vLLM engine: it shares the training devices, so generation "
+                        "cannot overlap the update; use --vllm_mode server, or HF generate (no --use_vllm)")
+    if k > 1 and use_vllm:
+        raise UserError("--max_staleness > 1 with the vLLM server: its weights change only between requests, so one "
+                        "request in flight (--max_staleness 1) is the whole overlap")
+    if k and use_vllm and cap:
+        raise UserError("--max_staleness with --vllm_importance_sampling_cap: the staleness weight pi_old / "
+                        "pi_behaviour already divides by vLLM's log-probabilities; the two would correct one ratio")
+    if k and args["use_peft"] and deepspeed_stage(accelerator) == 3:
+        raise UserError("--max_staleness with --use_peft under ZeRO-3: the sampler's copy cannot take gathered "
+                        "LoRA weights; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
+    if k and args.get("environment_factory"):
+        raise UserError("--max_staleness with --environment_factory: the environments of batches in flight would have "
+                        "to go into a checkpoint, which holds data only; use --tools, or --max_staleness 0")
+    if use_vllm:
+        VLLMSampler.check(accelerator, **options)
+    return options
 
 
 class VLLMSampler:
@@ -184,7 +226,7 @@ class VLLMSampler:
                             for n, p in _hf_parameters(accelerator.unwrap_model(self._module))]
 
                 def __iter__(self):
-                    return _full_parameters(accelerator, self._module)
+                    return full_parameters(accelerator, self._module)
 
             # on every rank (vLLM's contract): trainer rank 0 joins the group and sends, the others only gather
             info = nccl_engine.NCCLTrainerInitInfo(
@@ -229,7 +271,7 @@ class VLLMSampler:
                 self.weights_asleep = False
             # vLLM's in-place reload: checkpoint-format weights, re-processed layer by layer into kernel layouts
             self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": _full_parameters(self.accelerator, model), "is_checkpoint_format": True})
+                "weights_iterator": full_parameters(self.accelerator, model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
             self.needs_push = False
         self.push_seconds = time.time() - start  # logged as vllm/push_seconds

@@ -32,6 +32,8 @@ GRPO_STEP = "tests/test_grpo.py::test_default_first_step_gradient_is_policy_grad
 PPO_STEP = "tests/test_ppo.py::test_default_first_step_gradient_against_gae_and_whitening_written_out"
 RLOO_STEP = "tests/test_rloo.py::test_first_step_gradient_against_the_advantages_written_out"
 DPO_BCO = "tests/test_dpo.py::test_bco_pair_running_mean_of_the_rewards_of_earlier_steps"
+ASYNC_VERSIONS = "tests/test_async.py::test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k"
+ASYNC_DROP = "tests/test_async.py::test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken"
 
 # (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
 MUTATIONS = [
@@ -206,6 +208,14 @@ MUTATIONS = [
      "samples.completion_ids, samples.completion_mask, samples.finished",
      "rloo: tool results in the loss, the KL penalty and the token count",
      ["tests/test_episodes.py::test_rloo_first_step_trains_the_models_tokens_of_each_episode_only"]),
+    # asynchronous rollouts (issue 41)
+    ("common/rollouts.py", "if version != self.copy_version:", "if self.copy_version is None:",
+     "async: the sampler's copy takes the first weights only, never the newer ones", [ASYNC_VERSIONS]),
+    ("algos/grpo.py", "stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]",
+     "stale = torch.exp(r.sampler_logps[s] - old) * r.loss_mask[s]",
+     "grpo: the staleness weight inverted (pi_behaviour / pi_old)", [ASYNC_VERSIONS]),
+    ("common/rollouts.py", "if version - drawn_by <= self.k:", "if version - drawn_by <= self.k + 1:",
+     "async: a batch one version too old kept", [ASYNC_DROP]),
 ]
 
 

@@ -33,7 +33,8 @@ from tests.conftest import ROOT, run_script
 from tests.test_multiprocess import CASES
 
 # the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
-TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds")
+TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds", "async/trainer_wait_seconds",
+                  "async/sampler_wait_seconds")
 
 STEPS = 6
 
@@ -69,7 +70,9 @@ ACCUMULATION = ["--gradient_accumulation_steps", "2"]
 GRPO_HARD = [*ACCUMULATION, "--beta", "0.1", "--reward_funcs", "tests.toy_rewards:short_or_none"]
 VARIANTS = [pytest.param(s, [], marks=pytest.mark.resume, id=s) for s in CASES] + [
     pytest.param("sft", ACCUMULATION, id="sft-accumulation"),
-    pytest.param("grpo", GRPO_HARD, marks=pytest.mark.resume, id="grpo-accumulation")]
+    pytest.param("grpo", GRPO_HARD, marks=pytest.mark.resume, id="grpo-accumulation"),
+    # asynchronous rollouts: the batch in flight goes into the checkpoint and is taken as it was drawn
+    *[pytest.param(s, ["--max_staleness", "1"], marks=pytest.mark.resume, id=f"{s}-async") for s in ("grpo", "rloo")]]
 
 
 @pytest.mark.parametrize("script, extra", VARIANTS)

@@ -12,7 +12,7 @@ from common.generation import CACHE, generate, stop_token_ids, truncate_at_stop
 from common.models import load_policy
 from common import vllm as common_vllm
 from common.runtime import UserError
-from common.vllm import VLLMSampler, _full_parameters, _hf_parameters
+from common.vllm import VLLMSampler, _hf_parameters, full_parameters
 from tests import stand_in_vllm
 from tests.conftest import run_script, sampling_logprobs, vllm_options
 from tests.stand_in_vllm import FakeLLM
@@ -40,7 +40,7 @@ def test_lora_push_leaves_the_base_weights_untouched():
                if name.endswith(("q_proj", "v_proj"))}
     accelerator = stand_in_accelerator()
     for _ in range(100):
-        pushed = {n: t.clone() for n, t in _full_parameters(accelerator, model)}  # vLLM copies each as it comes
+        pushed = {n: t.clone() for n, t in full_parameters(accelerator, model)}  # vLLM copies each as it comes
     drift = {n: (p.float() - before[n].float()).abs().max().item() for n, p in _hf_parameters(model)
              if not torch.equal(p, before[n])}
     assert not drift, f"base weights moved by the pushes: {drift}"
@@ -103,11 +103,11 @@ def test_server_mode_only_the_main_process_sends(fake_vllm, monkeypatch, tiny_mo
     names = [n for n, _ in policy.named_parameters()]
     iterated = []
 
-    def full_parameters(accelerator, model):  # every rank must walk the parameters: ZeRO-3 gathers each
-        for name, param in _full_parameters(accelerator, model):
+    def walked(accelerator, model):  # every rank must walk the parameters: ZeRO-3 gathers each
+        for name, param in full_parameters(accelerator, model):
             iterated.append(name)
             yield name, param
-    monkeypatch.setattr(common_vllm, "_full_parameters", full_parameters)
+    monkeypatch.setattr(common_vllm, "full_parameters", walked)
     transfers = fake_vllm.transfers
     for rank in (1, 0):
         transfers.clear()

@@ -1,0 +1,175 @@
+"""Generation batches drawn ahead of the update (--max_staleness K >= 1), in one background thread, while the
+trainer updates on the batch before: the overlap of asynchronous RL (one-step-off at K = 1), in one place.
+
+The stream hands out generation batches in the data order of K = 0 (the same prompts, the same seeds); only the
+weights that draw them differ. The script publishes its weights at every version boundary (a version: rollouts
+trained so far); a batch is requested K rollouts before its own and drawn by the newest weights published then,
+whatever is published meanwhile (so 1 and N processes, and a resumed run, draw alike). Its staleness, version now
+minus its version, is then K (less while the first K rollouts fill the pipeline); an older one (a checkpoint's,
+resumed with a smaller K) is dropped, counted and replaced by the next. Each batch comes with the behaviour
+policy's log-probabilities (Samples.sampler_logps), for the scripts' staleness correction.
+
+Samplers: a full copy of the policy sampling with HF generate (every rank its own, in its thread: no collective
+call; published weights are a snapshot, so the copy never changes mid-batch; its log-probs are the script's own
+per-token pass on the copy), or the vLLM server (an HTTP request in the thread; its log-probs are vLLM's; weights
+move over NCCL, which every rank joins, so only while no request runs). A colocated engine shares the training
+devices and cannot overlap (refused in common.vllm.sampler_options)."""
+
+import contextlib
+import copy
+import dataclasses
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from common.episodes import Episodes
+from common.generation import Samples
+from common.models import load_policy
+from common.vllm import full_parameters, sample_with
+
+
+class RolloutStream:
+    """next_batch(version) -> (prompt indices, Episodes): the next generation batch of `batches` (this rank's share
+    of each global batch of batch_size prompts, in data order), with one seed per completion from its place in the
+    run (the same samples on 1 or N processes), drawn by draw(indices, seeds, sample, tokenizer, accelerator) ->
+    Episodes, `sample` as run_episodes takes it. K = 0: here and now (common.vllm.sample_with). K >= 1: in the
+    sampler's thread (accelerator None: no other process to keep in step), and logps(policy, input_ids,
+    attention_mask, prompt_width) of the HF copy become the episodes' sampler_logps. args: the script's."""
+
+    def __init__(self, accelerator, draw, batches, args: dict, resumed: dict, *, batch_size: int, model, tokenizer,
+                 sampler, generate, logps):
+        self.accelerator, self.draw, self.batches, self.batch_size, self.seed = accelerator, draw, batches, \
+            batch_size, args["seed"]
+        self.k, self.sampler, self.logps, self.generate = args["max_staleness"], sampler, logps, generate
+        self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=args["ds3_gather_for_generation"],
+                                  generate=generate)  # K = 0: the script's generate on the policy, or vLLM
+        self.requested = resumed.get("requested", resumed.get("episode", 0))  # completions requested, every rank's
+        self.pending = deque()  # [a future (finished: its result), the version that draws it], oldest first
+        self.version, self.snapshots, self.copy_version = None, {}, None  # the newest published; version -> weights
+        self.trainer_wait, self.sampler_wait, self.idle_since, self.reported = 0.0, 0.0, None, (0.0, 0.0)
+        self.tokenizer, self.dropped = tokenizer, resumed.get("dropped", 0)
+        self.staleness = list(resumed.get("staleness", []))  # of the batches taken since the last publish
+        if self.k:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="sampler")
+            self.tokenizer = copy.deepcopy(tokenizer)  # the thread's own: a Rust tokenizer is not shared safely
+            if sampler is None:  # a full copy on every rank (ZeRO-3 / FSDP2 shard the policy, not this)
+                plugin = accelerator.state.deepspeed_plugin
+                with plugin.zero3_init_context_manager(enable=False) if plugin else contextlib.nullcontext():
+                    self.policy = load_policy(args["model_name_or_path"], tokenizer, args["torch_dtype"])
+                self.policy.eval().to(accelerator.device)
+            self.pending.extend([_rebuilt(result), version] for result, version in resumed.get("in_flight", []))
+
+    def request(self):
+        """The next batch's draw, a function of (sample, tokenizer, accelerator)."""
+        indices, local = next(self.batches), self.batch_size // self.accelerator.num_processes
+        seeds = [self.seed * 10**9 + self.requested + self.accelerator.process_index * local + j for j in range(local)]
+        self.requested += self.batch_size
+        return lambda sample, tokenizer, accelerator: (indices, self.draw(indices, seeds, sample, tokenizer,
+                                                                          accelerator))
+
+    def publish(self, model, version: int):
+        """At a version boundary, on every rank (ZeRO-3 / FSDP2 gather each weight: a collective): the policy's
+        weights become those the sampler draws its next batches from."""
+        self.staleness = []
+        if not self.k:  # K = 0: the vLLM sampler takes the new weights before its next batch
+            if self.sampler is not None:
+                self.sampler.needs_push |= version > 0
+            return
+        if self.sampler is not None:  # vLLM server: only between requests (none is in flight at K = 1)
+            for entry in self.pending:
+                entry[0] = self._wait(entry[0])
+            self.sampler.push_weights(model)
+        else:  # a snapshot, kept while a request drawn by it waits (the copy changes only between batches)
+            with torch.no_grad():
+                self.snapshots[version] = {n: t.detach().clone() for n, t in full_parameters(self.accelerator, model)}
+            kept = {v for _, v in self.pending} | {version}
+            self.snapshots = {v: w for v, w in self.snapshots.items() if v in kept}
+        self.version = version
+
+    def _draw(self, draw, version: int):
+        """In the sampler's thread: the weights of `version` (the newest when it was requested), then the batch."""
+        if self.idle_since is not None:
+            self.sampler_wait += time.time() - self.idle_since  # waited for a request, i.e. for newer weights
+        policy = None if self.sampler is not None else self.policy
+        if self.sampler is not None:
+            sample = lambda prompts, seeds, **o: self.sampler.generate(self.tokenizer, prompts, seeds=seeds, **o)  # noqa: E731
+        else:
+            if version != self.copy_version:
+                params = dict(policy.named_parameters())
+                with torch.no_grad():
+                    for name, tensor in self.snapshots[version].items():
+                        params[name].copy_(tensor)
+                self.copy_version = version
+            sample = lambda prompts, seeds, **o: self.generate(policy, self.tokenizer, prompts, seeds=seeds, **o)  # noqa: E731
+        with torch.no_grad(), self.accelerator.autocast():  # thread-local both: as the trainer's forward
+            result = draw(sample, self.tokenizer, None)
+            if policy is not None:  # the behaviour policy's log-probs, as the trainer computes them
+                s = result[-1].samples
+                s.sampler_logps = self.logps(policy, torch.cat([s.prompt_ids, s.completion_ids], 1),
+                                             torch.cat([s.prompt_mask, s.completion_mask], 1), s.prompt_ids.shape[1])
+        self.idle_since = time.time()
+        return result
+
+    def _wait(self, item):
+        if not hasattr(item, "result"):  # finished already (a checkpoint's)
+            return item
+        start = time.time()
+        out = item.result()
+        self.trainer_wait += time.time() - start
+        return out
+
+    def next_batch(self, version: int):
+        if not self.k:
+            self.staleness.append(0)
+            return self.request()(self.sample, self.tokenizer, self.accelerator)
+        while True:
+            while len(self.pending) < self.k + 1:  # this batch and the next K, requested in data order
+                self.pending.append([self.pool.submit(self._draw, self.request(), self.version), self.version])
+            item, drawn_by = self.pending.popleft()
+            result = self._wait(item)
+            if version - drawn_by <= self.k:
+                self.staleness.append(version - drawn_by)
+                return result
+            self.dropped += 1  # too stale (e.g. a checkpoint's, resumed with a smaller K); every rank alike
+
+    def state(self) -> dict:
+        """For a checkpoint: completions requested, and the batches requested and not yet taken, finished, as data
+        (the resumed run takes them as they are, drawn by the weights that drew them in the uninterrupted run);
+        what metrics() reports of the rollout under way and of the run so far."""
+        for entry in self.pending:
+            entry[0] = self._wait(entry[0])
+        return {"requested": self.requested, "in_flight": [(_plain(result), v) for result, v in self.pending],
+                "staleness": self.staleness, "dropped": self.dropped}
+
+    def metrics(self) -> dict:
+        """vllm/push_seconds; async/*: the staleness of the batches taken since the last publish (this rollout's),
+        batches dropped so far, and the seconds the trainer waited for batches and the sampler for requests (that
+        is, for newer weights) since the last call."""
+        if not self.k:
+            return {"vllm/push_seconds": self.sampler.push_seconds} if self.sampler is not None else {}
+        now, staleness = (self.trainer_wait, self.sampler_wait), self.staleness
+        before, self.reported = self.reported, now
+        return {"async/staleness": sum(staleness) / len(staleness), "async/staleness_max": max(staleness),
+                "async/dropped": self.dropped, "async/trainer_wait_seconds": now[0] - before[0],
+                "async/sampler_wait_seconds": now[1] - before[1]} | (
+            {"vllm/push_seconds": self.sampler.push_seconds} if self.sampler is not None else {})
+
+    def close(self):
+        if self.k:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _plain(x):
+    """x with its Episodes / Samples as dicts: a checkpoint holds data only (no class is unpickled from one)."""
+    if isinstance(x, (Episodes, Samples)):
+        return {"dataclass": type(x).__name__} | {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    return type(x)(_plain(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _rebuilt(x):
+    if isinstance(x, dict) and x.get("dataclass") in ("Episodes", "Samples"):
+        cls = Episodes if x["dataclass"] == "Episodes" else Samples
+        return cls(**{k: _rebuilt(v) for k, v in x.items() if k != "dataclass"})
+    return type(x)(_rebuilt(v) for v in x) if isinstance(x, (list, tuple)) else x
