@@ -14,8 +14,8 @@ training each have one core, and at K = 0 one core does both in turn.
 Writes benchmarks/results/async_rollouts.{md,json}.
 
     python benchmarks/async_rollouts.py                          # ~25 min
-    python benchmarks/async_rollouts.py --seeds 1 --smollm2_steps 3 --repeats 1 --output_dir /tmp/async \\
-        --results /tmp/async/async_rollouts.md                   # quick check
+    python benchmarks/async_rollouts.py --max_steps 3 --seeds 1 2 --eval_prompts 16 --smollm2_steps 3 \\
+        --repeats 1 --output_dir /tmp/async --results /tmp/async/async_rollouts.md   # quick check (tests/)
 """
 
 import json
@@ -42,6 +42,8 @@ class Args:
     """seeds of the tiny task's GRPO runs (the SFT and reward model are seed 1's)"""
     completions: int = 2400
     """completions each tiny GRPO run samples (the main job's budget: 75 steps of 32)"""
+    max_steps: int = -1
+    """quick mode when > 0: every tiny stage (SFT, reward model, GRPO) stops after this many steps"""
     smollm2_steps: int = 8
     """GRPO steps of each SmolLM2 run (16 completions of up to 48 tokens per step)"""
     repeats: int = 2
@@ -72,6 +74,7 @@ def timings(out: str, run_name: str) -> dict:
     """Median seconds per step (the first step, which loads and warms up, left out) and the median seconds
     per step that the trainer waited for samples and the sampler for new weights (K >= 1)."""
     rows = [json.loads(line) for line in open(os.path.join(out, "logs", f"{run_name}.jsonl")) if '"lr"' in line]
+    rows = rows[max(i for i, r in enumerate(rows) if r["step"] == 1):]  # this run's (an earlier one's went before)
     step_seconds = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
     waits = {k: statistics.median(r.get(f"async/{k}_wait_seconds", 0.0) for r in rows[1:])
              for k in ("trainer", "sampler")}
@@ -83,7 +86,7 @@ def timings(out: str, run_name: str) -> dict:
 def tiny(args: Args) -> list[dict]:
     tiny_tldr.build()
     base = os.path.join(args.output_dir, "tiny")
-    chain = run_tiny_tldr.Args(output_dir=base, completions=args.completions)
+    chain = run_tiny_tldr.Args(output_dir=base, completions=args.completions, max_steps=args.max_steps)
     for stage in ("sft", "reward"):
         if not os.path.exists(os.path.join(base, stage, "model.safetensors")):
             run(run_tiny_tldr.stage_argv(stage, base, 1, stage, chain), os.path.join(base, "logs", f"{stage}.log"))

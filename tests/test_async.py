@@ -2,6 +2,7 @@
 staleness weight of the loss worked out here from those weights, the drop rule, the refusals; 2 processes equal 1
 (multiproc marker; resume: tests/test_common_checkpoint.py)."""
 
+import json
 import os
 import sys
 
@@ -172,3 +173,17 @@ def test_two_processes_match_one_process_at_k_1(tmp_path, sft_model, launcher, s
     for a, b in zip(two, one):
         for key in keys + ["async/staleness"]:  # grpo: extra batches of a rollout are drawn by its version
             assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a[key], b[key])
+
+
+@pytest.mark.realmodel
+def test_the_benchmark_in_quick_mode(tmp_path):
+    """benchmarks/async_rollouts.py end to end, a few steps each: the tiny task's chain and SmolLM2, K = 0 and 1
+    interleaved, a row per task and K, the staleness of each run as its K makes it."""
+    run_script("benchmarks/async_rollouts.py", "--max_steps", "3", "--seeds", "1", "--eval_prompts", "16",
+               "--smollm2_steps", "3", "--repeats", "1", "--output_dir", str(tmp_path), "--results",
+               str(tmp_path / "async.md"), timeout=1500)
+    runs = json.load(open(tmp_path / "async.json"))["runs"]
+    assert [(r["task"], r["k"]) for r in runs] == [("tiny", 0), ("tiny", 1), ("smollm2", 0), ("smollm2", 1)]
+    assert all((r["staleness"] > 0) == (r["k"] == 1) and r["seconds_per_step"] > 0 for r in runs)
+    table = (tmp_path / "async.md").read_text()
+    assert "| tiny TL;DR, GRPO 75 x 32 | 1 |" in table and "| SmolLM2-135M arithmetic, GRPO 16/step | 1 |" in table
