@@ -17,7 +17,8 @@ reward-model plumbing and EOS handling follow the N+ implementation details (Hua
 CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
 Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
 Asynchronous (--max_staleness K, common/rollouts.py; batches drawn by pi_b, up to K rollouts older): decoupled PPO
-(Hilton et al. 2022; AReaL, Fu et al. 2025) clips to pi_old as at K = 0 and weights tokens by min(pi_old / pi_b, C).
+(Hilton et al. 2022; AReaL, Fu et al. 2025) clips to pi_old as at K = 0 and weights tokens by min(pi_old / pi_b, C):
+the trust region stays at the current policy (clipping to pi_b would drop the tokens that moved since drawn).
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \

@@ -18,6 +18,10 @@ grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), with the
     cispo: -sg(min(ratio_t, 1 + cliprange)) * A_t * log pi(o_t)        (clipped tokens keep a gradient)
     sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_t, tau = tau_pos if A_t > 0 else tau_neg
 
+Asynchronous rollouts (--max_staleness K, common/rollouts.py): rollouts drawn by pi_b, up to K rollouts older than
+the policy pi_old whose logprobs the update clips against. Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025)
+keeps that clip and weights each token by min(pi_old / pi_b, C): the trust region stays at the current policy.
+
     python algos/rloo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/rloo.py --model_name_or_path output/pythia-1b-sft \
         --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --output_dir output/pythia-1b-rloo ...
