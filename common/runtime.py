@@ -27,6 +27,7 @@ def exit_on_user_error():
     rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         yield
+        end_processes()
     except Exception as e:
         for bar in list(getattr(tqdm, "_instances", ())):  # end the progress bar's line first
             bar.close()
@@ -40,6 +41,20 @@ def exit_on_user_error():
                     "; another process ended first: see its error" if "peer" in why else " (traceback below)")
             print(f"{rank}error: {type(e).__name__}: {str(e)[:300]}{hint}", file=sys.stderr, flush=True)
         raise
+
+
+def end_processes():
+    """A finished run of several processes ends here: every rank waits for the others, flushes its output and
+    leaves at once (os._exit(0)), without the interpreter's teardown, in which tearing down torch.distributed's
+    gloo threads aborts one rank now and then (SIGABRT after the work is done and saved; docs/troubleshooting.md).
+    One process: nothing (the interpreter ends as usual)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_built(path: str, what: str):

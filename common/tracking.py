@@ -18,7 +18,6 @@ class Tracker:
                  wandb_entity: str | None = None):
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
         self.main, self.every, self.start = accelerator.is_main_process, max(1, logging_steps), time.time()
-        self.accelerator = accelerator
         # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
         # lines print either way
         self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
@@ -71,14 +70,9 @@ class Tracker:
         self.bar.update(n)
 
     def close(self):
-        """The run's end, on every rank: the bar, wandb, then the process group, taken down here while Python
-        still runs (its threads joined; left to the interpreter's exit, a gloo thread that finishes late can
-        abort the process, as torch's destroy_process_group explains)."""
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
-        self.accelerator.wait_for_everyone()
-        self.accelerator.end_training()
 
 
 def reduce_stats(accelerator, stats: dict, divide_by: float = 1, reduction: str = "mean") -> dict:

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's tests package
 from common import vllm as common_vllm
 from common.models import adapt, load_policy, load_tokenizer
-from common.runtime import setup
+from common.runtime import end_processes, setup
 from tests import stand_in_vllm
 from tests.conftest import vllm_options
 
@@ -51,5 +51,4 @@ if kind == "plain":  # the engine answers [the prompt's last token, the seed], s
     engine = vllm.LLM.last
     torch.save({"asked": engine.prompts, "seeds": [q.seed for q in engine.params], "got": ids.tolist(),
                 "tensor_parallel_size": engine.kwargs["tensor_parallel_size"]}, f"{out}/tp{rank}.pt")
-accelerator.wait_for_everyone()
-accelerator.end_training()
+end_processes()  # every rank waits, then leaves without the interpreter's teardown (common/runtime.py)

@@ -13,6 +13,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from common.generation import generate, unwrapped_for_generation
 from common.models import load_policy, load_tokenizer
+from common.runtime import end_processes
 
 accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
 accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
@@ -42,5 +43,4 @@ with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as f:
     json.dump({"collectives_while_generating": calls["count"], "tokens": int(completion.shape[1]),
                "same_logits": bool(torch.allclose(sharded, whole, atol=1e-5)
                                    and torch.allclose(again, whole, atol=1e-5))}, f)
-accelerator.wait_for_everyone()
-accelerator.end_training()  # the gloo group goes down on both ranks together, not in the interpreter's teardown
+end_processes()  # every rank waits, then leaves without the interpreter's teardown (common/runtime.py)
