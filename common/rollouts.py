@@ -93,16 +93,17 @@ class RolloutStream:
         if self.idle_since is not None:
             self.sampler_wait += time.time() - self.idle_since  # waited for a request, i.e. for newer weights
         policy = None if self.sampler is not None else self.policy
-        if self.sampler is not None:
-            sample = lambda prompts, seeds, **o: self.sampler.generate(self.tokenizer, prompts, seeds=seeds, **o)  # noqa: E731
-        else:
-            if version != self.copy_version:
-                params = dict(policy.named_parameters())
-                with torch.no_grad():
-                    for name, tensor in self.snapshots[version].items():
-                        params[name].copy_(tensor)
-                self.copy_version = version
-            sample = lambda prompts, seeds, **o: self.generate(policy, self.tokenizer, prompts, seeds=seeds, **o)  # noqa: E731
+        if policy is not None and version != self.copy_version:
+            params = dict(policy.named_parameters())
+            with torch.no_grad():
+                for name, tensor in self.snapshots[version].items():
+                    params[name].copy_(tensor)
+            self.copy_version = version
+
+        def sample(prompts, seeds, **options):  # as run_episodes calls it: the server, or HF generate on the copy
+            if policy is None:
+                return self.sampler.generate(self.tokenizer, prompts, seeds=seeds, **options)
+            return self.generate(policy, self.tokenizer, prompts, seeds=seeds, **options)
         with torch.no_grad(), self.accelerator.autocast():  # thread-local both: as the trainer's forward
             result = draw(sample, self.tokenizer, None)
             if policy is not None:  # the behaviour policy's log-probs, as the trainer computes them
