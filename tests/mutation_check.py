@@ -209,7 +209,8 @@ MUTATIONS = [
      "rloo: tool results in the loss, the KL penalty and the token count",
      ["tests/test_episodes.py::test_rloo_first_step_trains_the_models_tokens_of_each_episode_only"]),
     # asynchronous rollouts (issue 41)
-    ("common/rollouts.py", "if version != self.copy_version:", "if self.copy_version is None:",
+    ("common/rollouts.py", "policy is not None and version != self.copy_version:",
+     "policy is not None and self.copy_version is None:",
      "async: the sampler's copy takes the first weights only, never the newer ones", [ASYNC_VERSIONS]),
     ("algos/grpo.py", "stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]",
      "stale = torch.exp(r.sampler_logps[s] - old) * r.loss_mask[s]",
