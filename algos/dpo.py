@@ -41,13 +41,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 import tyro
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
-from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, deepspeed_stage, hint_learning_rate, load_policy,
                            load_tokenizer, prepare_frozen, reference)
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
@@ -170,6 +171,9 @@ class Args:
     """pairs per eval batch per process"""
     num_sample_generations: int = 4
     """greedy completions of eval prompts printed at each evaluation"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
+    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
     track: bool = False
@@ -299,6 +303,27 @@ def forward_pairs(model, batch, mean_logps: bool):
     return chosen, rejected, counts.chunk(2), mean_logits
 
 
+def reference_state(ref_model, accelerator) -> dict:
+    """TR-DPO's moved reference for a checkpoint, held once over the ranks' files: under FSDP2 each rank's own
+    shards; otherwise (the same full copy on every rank) rank r keeps tensors r, r + world, ..."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    return {name: t.to_local() if isinstance(t, DTensor) else t for i, (name, t) in
+            enumerate(ref_model.state_dict().items()) if isinstance(t, DTensor) or i % world == rank}
+
+
+def load_reference_state(ref_model, state: dict, accelerator):
+    """The inverse of `reference_state`: shards into place, or each tensor sent by the rank that kept it."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    for i, (name, t) in enumerate(ref_model.state_dict().items()):
+        if isinstance(t, DTensor):
+            t.to_local().copy_(state[name])
+            continue
+        if i % world == rank:
+            t.copy_(state[name])
+        if world > 1:
+            torch.distributed.broadcast(t, src=i % world)
+
+
 def main(args: Args):
     if args.loss_type == "simpo":
         args.reference_free = True
@@ -321,7 +346,8 @@ def main(args: Args):
     args.run_name = args.run_name or f"dpo__{args.seed}__{int(time.time())}"
     if args.sync_ref_model and deepspeed_stage(accelerator) == 3:
         raise UserError("--sync_ref_model (TR-DPO) mixes the reference with the policy weight by weight, which a "
-                        "ZeRO-3-sharded reference cannot do; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
+                        "ZeRO-3-sharded reference cannot do; use ZeRO-2 (configs/deepspeed_zero2.yaml) or FSDP2 "
+                        "(configs/fsdp2.yaml: the reference is sharded as the policy, and they mix shard by shard)")
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     mean_logps = uses_mean_logps(args.loss_type)
 
@@ -468,8 +494,8 @@ def main(args: Args):
         if args.num_sample_generations <= 0:
             return
         rows = eval_examples[:args.num_sample_generations]
-        with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
-            if not accelerator.is_main_process:
+        with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
+            if not decodes_here(accelerator, args.ds3_gather_for_generation):
                 return
             ids = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens,
                            temperature=0.0).completion_ids
@@ -493,7 +519,7 @@ def main(args: Args):
         next(batches)
     bco_sum, bco_count = resumed.get("bco", (0.0, 0))
     if "ref_model" in resumed:  # TR-DPO: the reference has moved since it was loaded
-        ref_model.load_state_dict(resumed["ref_model"])
+        load_reference_state(ref_model, resumed["ref_model"], accelerator)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
         # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
@@ -519,6 +545,7 @@ def main(args: Args):
         if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
             alpha = args.ref_model_mixup_alpha
             with torch.no_grad():
+                # under FSDP2 both are sharded alike (common.models.prepare_frozen): each rank mixes its own shards
                 for ref_param, param in zip(ref_model.parameters(), accelerator.unwrap_model(model).parameters()):
                     ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
 
@@ -533,8 +560,8 @@ def main(args: Args):
             log_samples(step)
         tracker.log(metrics, step)
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values: what the next steps depend on
-        checkpointer.end_of_step(step, {"bco": (bco_sum, bco_count),
-                                        **({"ref_model": ref_model.state_dict()} if args.sync_ref_model else {})})
+        moved = {"ref_model": reference_state(ref_model, accelerator)} if args.sync_ref_model else {}
+        checkpointer.end_of_step(step, {"bco": (bco_sum, bco_count), **moved})
 
     # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
-from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker, reduce_stats
@@ -145,6 +145,9 @@ class Args:
     """completions per eval batch per process"""
     num_sample_generations: int = 4
     """greedy completions of eval prompts printed at each evaluation"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
+    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
     track: bool = False
@@ -414,8 +417,8 @@ def main(args: Args):
         if args.num_sample_generations <= 0:
             return
         prompts = list(dict.fromkeys(tuple(p) for p, _, _ in eval_examples))[:args.num_sample_generations]
-        with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
-            if not accelerator.is_main_process:
+        with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
+            if not decodes_here(accelerator, args.ds3_gather_for_generation):
                 return
             ids = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens,
                            temperature=0.0).completion_ids

@@ -164,7 +164,8 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """rows per no-grad forward pass during the rollout"""
     ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's full weights to sample (off: sharded, slower, for models too large to gather)"""
+    """ZeRO-3 / FSDP2: gather the policy's full weights to sample (off: sharded, slower; a model too large
+    to gather)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
@@ -278,15 +279,17 @@ class PolicyAndValue(torch.nn.Module):
         # FSDP shards each of these layers alone (accelerate reads them from the model, as for a HF model)
         self._no_split_modules = sorted({*(policy._no_split_modules or ()), *(value_model._no_split_modules or ())})
 
-    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
-        """Response-token logits (divided by the temperature) and values V(s_t) before each response token."""
+    def forward(self, input_ids, attention_mask, prompt_width: int):
+        """Response-token logits and values V(s_t) before each response token. The logits as the policy gives
+        them (bf16 under mixed precision): they are divided by the temperature in fp32, by token_logprobs, as the
+        reference's are (dividing in bf16 rounded the policy's alone, and the step-1 KL was not 0)."""
         logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1, share_prefix=False)
         position_ids = real_positions(attention_mask)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids).last_hidden_state
         values = self.value_model.score(hidden[:, prompt_width - 1:-1]).squeeze(-1)
-        return logits / temperature, values.float()
+        return logits, values.float()
 
 
 @torch.no_grad()
@@ -301,11 +304,12 @@ def rollout_pass(model, ref_model, input_ids, attention_mask, *, prompt_width: i
     response_ids = input_ids[:, prompt_width:]
     for i in range(0, len(input_ids), chunk_size):
         s = slice(i, i + chunk_size)
-        logits, values = model(input_ids[s], attention_mask[s], prompt_width, temperature)
+        logits, values = model(input_ids[s], attention_mask[s], prompt_width)
         with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
             ref_logits = shifted_logits(policy if ref_model is None else ref_model, input_ids[s], attention_mask[s],
                                         prompt_width - 1, share_prefix=False)
-        outs.append((token_logprobs(logits, response_ids[s]), token_logprobs(ref_logits, response_ids[s], temperature),
+        outs.append((token_logprobs(logits, response_ids[s], temperature),
+                     token_logprobs(ref_logits, response_ids[s], temperature),
                      values))
     return tuple(torch.cat(x) for x in zip(*outs))
 
@@ -420,8 +424,9 @@ def main(args: Args):
             samples = sampler.generate(tokenizer, batch_prompt_ids, args.response_length, temperature=args.temperature,
                                        seeds=seeds)
         else:
-            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                samples = generate(unwrapped.policy, tokenizer, batch_prompt_ids, args.response_length,
+            # the policy alone gathered (not the value model): ZeRO-3 / FSDP2 peak memory is one full model
+            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation, part="policy") as policy:
+                samples = generate(policy, tokenizer, batch_prompt_ids, args.response_length,
                                    temperature=args.temperature, seeds=seeds)
         p_ids, p_mask = samples.prompt_ids, samples.prompt_mask
         r_ids, r_mask = samples.completion_ids, samples.completion_mask
@@ -493,8 +498,8 @@ def main(args: Args):
                     idx = order[first:first + per_device]
                     m = r.mask[idx]
                     with accelerator.accumulate(model):
-                        logits, values = model(r.input_ids[idx], r.attention_mask[idx], prompt_width, args.temperature)
-                        logps = token_logprobs(logits, r.response_ids[idx])
+                        logits, values = model(r.input_ids[idx], r.attention_mask[idx], prompt_width)
+                        logps = token_logprobs(logits, r.response_ids[idx], args.temperature)
                         pg_loss, pg_clipfrac, approxkl, ratio = policy_loss(logps, r.old_logps[idx], advantages[idx], m,
                                                                             cliprange=args.cliprange,
                                                                             token_weights=is_weights[idx])
@@ -515,7 +520,7 @@ def main(args: Args):
                         stats["policy/clipfrac_avg"] += pg_clipfrac
                         stats["val/clipfrac_avg"] += vf_clipfrac
                         stats["policy/approxkl_avg"] += approxkl.detach()
-                        stats["policy/entropy_avg"] += masked_mean(token_entropy(logits), m)
+                        stats["policy/entropy_avg"] += masked_mean(token_entropy(logits, args.temperature), m)
                         stats["val/ratio"] += masked_mean(ratio, m)
                         stats["val/ratio_squared"] += masked_mean(ratio.detach() ** 2, m)
                 scheduler.step()

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
-from common.generation import pad, unwrapped_for_generation
+from common.generation import decodes_here, pad, unwrapped_for_generation
 from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
@@ -125,6 +125,9 @@ class Args:
     """pairs per eval batch per process"""
     num_sample_pairs: int = 4
     """eval pairs printed with their rewards at each evaluation"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 scores (off: every
+    rank scores it sharded, in step; slower, for a model too large to gather)"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "minimal-post-training"
@@ -225,8 +228,8 @@ def log_samples(model, tokenizer, eval_examples, args, *, tracker, step: int, ac
     if args.num_sample_pairs <= 0:
         return
     examples = eval_examples[:args.num_sample_pairs]
-    with unwrapped_for_generation(accelerator, model) as unwrapped, torch.no_grad():  # all ranks: ZeRO-3 gathers
-        if not accelerator.is_main_process:
+    with torch.no_grad(), unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
+        if not decodes_here(accelerator, args.ds3_gather_for_generation):
             return
         chosen, rejected, _ = rewards_of(unwrapped, collate(examples, tokenizer.pad_token_id), accelerator.device)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import Checkpointer, save_model
 from common.data import (check_columns, encode_completion, encode_prompt, is_conversational, load_split,
                          without_nulls)
-from common.generation import generate, pad, token_logprobs, unwrapped_for_generation
+from common.generation import decodes_here, generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
 from common.tracking import Tracker
@@ -121,6 +121,9 @@ class Args:
     """examples per eval batch per process"""
     num_sample_generations: int = 4
     """sample completions printed at each evaluation"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
+    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
     track: bool = False
@@ -249,8 +252,8 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
     # the prompt: as given; a conversation up to its last message; a text's first third
     prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] if "messages" in r
                else r["text"][:len(r["text"]) // 3] for r in rows]
-    with unwrapped_for_generation(accelerator, model) as unwrapped:  # all ranks: ZeRO-3 gathers
-        if not accelerator.is_main_process:
+    with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
+        if not decodes_here(accelerator, args.ds3_gather_for_generation):
             return
         prompt_ids = [encode_prompt(tokenizer, p, row_tools(r)) for p, r in zip(prompts, rows)]
         completion_ids = generate(unwrapped, tokenizer, prompt_ids, args.max_new_tokens, temperature=0.0).completion_ids

@@ -126,42 +126,55 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
                    *truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id))
 
 
+def is_sharded(accelerator) -> bool:
+    return accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3
+
+
+def decodes_here(accelerator, gather: bool) -> bool:
+    """Whether this rank takes part in a sample table that rank 0 alone prints: rank 0 does; the others too
+    when the model stays sharded for it (gather off under ZeRO-3 / FSDP2), each forward being a collective."""
+    return accelerator.is_main_process or (not gather and is_sharded(accelerator))
+
+
 @contextlib.contextmanager
-def unwrapped_for_generation(accelerator, model, gather: bool = True):
-    """The bare model for `generate`. Under ZeRO-3 every rank (all must enter) gathers its full weights
-    and DeepSpeed's per-module hooks come off meanwhile (else each module would release its weights after
-    a forward and gather them again for every token); inside, one rank alone may use it. gather=False (a
-    model too large to gather) decodes sharded: every rank must generate, and HF keeps them in step.
-    FSDP2 likewise: every sharded module gathered, and not freed after each forward while inside."""
+def unwrapped_for_generation(accelerator, model, gather: bool = True, part: str | None = None):
+    """The bare model (or its submodule `part`, e.g. ppo's policy) for `generate`. Under ZeRO-3 every rank (all
+    must enter) gathers its full weights and DeepSpeed's per-module hooks come off meanwhile (else each module
+    would release its weights after a forward and gather them again for every token); inside, one rank alone may
+    use it. gather=False (a model too large to gather) decodes sharded: every rank must generate, and HF keeps
+    them in step. FSDP2 likewise: every sharded module gathered, and not freed after each forward while inside.
+    With `part`, only its weights are gathered (under FSDP2 also the root's few, e.g. embeddings, held in
+    common with the rest)."""
     unwrapped = accelerator.unwrap_model(model)
-    if not gather or not (accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3):
-        yield unwrapped
+    inner = unwrapped if part is None else getattr(unwrapped, part)
+    if not gather or not is_sharded(accelerator):
+        yield inner
     elif accelerator.is_fsdp2:
-        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         model._get_fsdp_state()._lazy_init()  # the root first (PPO generates with a submodule); private API
+        sharded = [model] + [m for m in inner.modules() if isinstance(m, FSDPModule) and m is not model]
         for module in sharded:
             module.unshard()  # not recursive: each module
-        model.set_reshard_after_forward(False)
+            module.set_reshard_after_forward(False, recurse=False)
         try:
-            yield unwrapped
+            yield inner
         finally:
             for module in sharded:
                 module.reshard()
-            model.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward)
+                module.set_reshard_after_forward(accelerator.state.fsdp_plugin.reshard_after_forward, recurse=False)
             model.set_reshard_after_forward(False, recurse=False)  # FSDP2 never reshards the root after forward
     else:
         import deepspeed
         from deepspeed.runtime.zero import parameter_offload
 
         offload = model.optimizer.parameter_offload  # the engine's ZeRO-3 optimizer holds the hooks
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            for param in model.parameters():
+        with deepspeed.zero.GatheredParameters(list(inner.parameters())):
+            for param in inner.parameters():
                 param.ds_active_sub_modules.clear()  # else the exit would keep them gathered
             # every hook, the pre-hook too: it checks, with a broadcast, that all ranks run alike
             offload._remove_module_hooks()
             offload.forward_hooks, offload.backward_hooks = [], []
             try:
-                yield unwrapped
+                yield inner
             finally:
                 offload.setup_zero_stage3_hooks()
                 parameter_offload.FWD_MODULE_STACK.pop()  # the setup pushes the module a second time

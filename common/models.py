@@ -1,6 +1,7 @@
 """Loading tokenizers, policies and reward models; LoRA, gradient checkpointing, frozen models."""
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -128,24 +129,60 @@ def deepspeed_stage(accelerator) -> int | None:
     return getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
 
 
-_frozen_engines = []  # DeepSpeed engines of frozen models, kept alive for their parameter hooks
+def rank_bytes(model) -> tuple[int, int]:
+    """(bytes of `model`'s parameters held on this rank, bytes of the whole model): a ZeRO-3 partition, an FSDP2
+    shard, or everything."""
+    here = whole = 0
+    for p in model.parameters():
+        size = p.element_size()
+        whole += p.numel() * size if getattr(p, "ds_numel", None) is None else p.ds_numel * size
+        here += (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else
+                 p.to_local().numel() if hasattr(p, "to_local") else p.numel()) * size
+    return here, whole
 
 
 def prepare_frozen(accelerator, model):
     """An evaluated-only model (reference, reward model): eval mode, no gradients, on the device, under the
     policy's autocast (else an fp32 reference of a bf16 policy gives KL > 0 at step 1). Under DeepSpeed:
-    an inference engine in the training dtype, which shards it under ZeRO-3 (loaded from disk, not copied)."""
+    an inference engine in the training dtype, which shards it under ZeRO-3 (loaded from disk, not copied).
+    Under FSDP2: sharded as the policy is (accelerate's own wrapping, the same mesh and mixed-precision policy,
+    which casts the weights to bf16 and takes the place of autocast: the step-1 KL is 0), resharded after every
+    forward, the root's too."""
     model.eval().requires_grad_(False)
-    stage = deepspeed_stage(accelerator)
-    if stage is None:
-        model.forward = accelerator.autocast()(model.forward)  # a no-op without mixed precision
-        return model.to(accelerator.device)
-    import deepspeed
-    trained = accelerator.state.deepspeed_plugin.deepspeed_config
-    config = {"train_micro_batch_size_per_gpu": trained["train_micro_batch_size_per_gpu"],
-              **{k: {"enabled": trained.get(k, {}).get("enabled", False) is True} for k in ("bf16", "fp16")},
-              "zero_optimization": {"stage": 3 if stage == 3 else 0}}
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    _frozen_engines.append(engine)
-    return engine.module.eval()
+    stage, whole = deepspeed_stage(accelerator), rank_bytes(model)[1]
+    if accelerator.is_fsdp2:  # accelerate prepares the policy so, and with no autocast around it
+        from accelerate.utils import fsdp2_prepare_model
 
+        model = fsdp2_prepare_model(accelerator, model.to(accelerator.device))
+        model.set_reshard_after_forward(True)  # no backward follows to reshard what stays gathered
+    elif stage is None:
+        model = model.to(accelerator.device)
+        model.forward = accelerator.autocast()(model.forward)  # a no-op without mixed precision
+    else:
+        import deepspeed
+        trained = accelerator.state.deepspeed_plugin.deepspeed_config
+        config = {"train_micro_batch_size_per_gpu": trained["train_micro_batch_size_per_gpu"],
+                  **{k: {"enabled": trained.get(k, {}).get("enabled", False) is True} for k in ("bf16", "fp16")},
+                  "zero_optimization": {"stage": 3 if stage == 3 else 0, **{  # the policy's ZeRO-3 settings too
+                      k: v for k, v in trained["zero_optimization"].items() if k[:7] == "stage3_" and v != "auto"}}}
+        engine = deepspeed.initialize(model=model, config=config)[0]
+        model = engine.module.eval()
+        # the engine holds the parameter hooks: kept alive as long as the model, and no longer (a module-level
+        # list kept every frozen model whole after the script dropped it, e.g. after --precompute_ref_logps)
+        object.__setattr__(model, "_frozen_engine", engine)  # not a registered submodule (that would be a cycle)
+        if stage == 3:  # and two globals of DeepSpeed 0.19 that would keep it: the bottom of its stack of modules
+            from deepspeed.runtime.zero import parameter_offload  # in forward (each forward pushes its own)...
+
+            parameter_offload.FWD_MODULE_STACK.remove(model)
+            # ...and a class-wide, unbounded lru_cache on a method of the coordinator (under a wrapper that hides
+            # it): each frozen model's coordinator gets its own cache, freed with it
+            coordinator = getattr(engine.optimizer, "parameter_offload", engine.optimizer).get_param_coordinator()
+            name = "_PartitionedParameterCoordinator__params_to_release"
+            method = getattr(type(coordinator), name, None)
+            cached = [c.cell_contents for c in getattr(method, "__closure__", None) or ()
+                      if hasattr(c.cell_contents, "cache_clear")]
+            if cached:  # else another DeepSpeed version: left as it is
+                setattr(coordinator, name, functools.lru_cache(None)(cached[0].__wrapped__.__get__(coordinator)))
+    accelerator.print(f"frozen {model.config.model_type} ({model.config._name_or_path}): "
+                      f"{rank_bytes(model)[0] / 2**20:.1f} MiB on each rank, of {whole / 2**20:.1f} MiB whole")
+    return model

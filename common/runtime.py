@@ -132,8 +132,11 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
                               mixed_precision="bf16" if bf16 else None, kwargs_handlers=[timeout])
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and accelerator.distributed_type != DistributedType.FSDP:
         # accelerate (1.15) turns FSDP on for accelerators only; on a CPU (gloo, as the tests run it) it would
-        # quietly run DDP. The plugin reads the launcher's FSDP_* variables; the shared state keeps the type.
+        # quietly run DDP. The plugin reads the launcher's FSDP_* variables; the shared state keeps the type; bf16
+        # as on a GPU: FSDP2's mixed-precision policy (weights cast to bf16 as each module gathers; no autocast)
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        if accelerator.mixed_precision != "no":
+            accelerator.state.fsdp_plugin.set_mixed_precision(accelerator.mixed_precision)
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     set_seed(seed)
     if not sys.stderr.isatty():  # progress bars (loading, saving, mapping) on a terminal only, as common/tracking.py's

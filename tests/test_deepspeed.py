@@ -28,11 +28,67 @@ from tests.test_sft import read_log
 EVERYTHING_ON = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1"]
 
 
-def launcher(stage: int, config: str | None = None):
-    """2 processes under the shipped ZeRO-<stage> yaml (or the yaml `config`), in fp32."""
+def launcher(stage: int, config: str | None = None, mixed_precision: str = "no"):
+    """2 processes under the shipped ZeRO-<stage> yaml (or the yaml `config`), in fp32 (or `mixed_precision`)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             config or os.path.join(ROOT, "configs", f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
-            "--dynamo_backend", "no"] + ([] if config else ["--mixed_precision", "no"])
+            "--dynamo_backend", "no"] + ([] if config else ["--mixed_precision", mixed_precision])
+
+
+def sharded_launcher(tmp_path_factory, mixed_precision: str = "no", processes: int = 2):
+    """ZeRO-3 as a model that only fits sharded meets it: the shipped yaml's settings, and DeepSpeed keeping no
+    parameter whole beyond its module's forward (by default it keeps those under 1e5 elements, which is every one
+    of the tiny model's, and up to 1e9 elements it will use again soon: nothing would be sharded here)."""
+    folder = tmp_path_factory.mktemp("zero3_sharded")
+    (folder / "ds.json").write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        **{k: "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+                               "train_batch_size")}, "bf16": {"enabled": mixed_precision == "bf16"}}))
+    (folder / "zero3.yaml").write_text(
+        "distributed_type: DEEPSPEED\nnum_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n"
+        "use_cpu: false\ndeepspeed_config:\n  deepspeed_multinode_launcher: "  # the precision: in the json
+        f"standard\n  zero3_init_flag: true\n  deepspeed_config_file: {folder / 'ds.json'}\n")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "zero3.yaml"),
+            "--num_processes", str(processes), "--dynamo_backend", "no"]
+
+
+def probed(out_dir, script: str) -> list:
+    """tests/sharded_probe.py in place of algos/<script>.py: its records go to <out_dir>/probe."""
+    return ["tests/sharded_probe.py", os.path.join(out_dir, "probe"), f"algos/{script}.py"]
+
+
+def assert_sharded_all_the_way(out_dir, script: str, stdout: str, sharded: bool):
+    """What tests/sharded_probe.py saw on each rank (issue 42): sample tables decoded sharded, in step on every
+    rank, with at most one layer (and what lies outside the layers) whole at once, printed by rank 0 alone; ppo's
+    value model left sharded while the policy samples; frozen models sharded (ZeRO-3 / FSDP2) and, after
+    --precompute_ref_logps, freed."""
+    ranks = [json.load(open(os.path.join(out_dir, "probe", f"rank{r}.json"))) for r in range(2)]
+    for rank in ranks:
+        tables = rank["generation"]
+        if script in OFFLINE and sharded:
+            assert tables and all(t["forwards"] > 0 for t in tables), tables  # every rank decodes, in step
+            assert [t["forwards"] for t in tables] == [t["forwards"] for t in ranks[0]["generation"]]
+            for t in tables:
+                assert t["whole_peak"]["model"] <= t["largest_layer"] + t["outside_layers"]["model"] < \
+                    t["elements"]["model"], t
+        if script == "ppo" and sharded:  # the policy gathered to sample, the value model's layers not
+            assert tables and all(t["whole_peak"]["policy"] == t["elements"]["policy"] and
+                                  t["whole_peak"]["value_model"] <= t["outside_layers"]["value_model"]
+                                  for t in tables), tables
+        for frozen in rank["frozen"]:
+            assert (frozen["bytes_here"] < 0.6 * frozen["bytes_whole"]) == sharded, frozen
+            if script == "dpo":  # --precompute_ref_logps: no reference parameter alive at any logged step
+                assert set(frozen["alive_at_steps"].values()) == {0}, frozen
+    if script in OFFLINE:
+        assert stdout.count("--- samples at step 2 ---") == 1  # rank 0 prints it
+    print(f"\n{script} per-rank records:", [{k: v for k, v in r.items() if k != "generation"} for r in ranks],
+          ranks[0]["generation"][-1:])
+
+
+# the scripts whose sample tables run with --no-ds3-gather-for-generation here
+OFFLINE = ("sft", "dpo", "kto", "reward")
 
 
 def saved_weights(path, script):
@@ -80,17 +136,20 @@ def test_deepspeed_two_processes_match_one_process(tmp_path, tmp_path_factory, s
     pytest.importorskip("deepspeed")
     flags, keys = CASES[script]
     one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
-    flags = [f for f in flags if f != "--precompute_ref_logps"]  # dpo: the reference's DeepSpeed engine each step
-    common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
-              "--gradient_accumulation_steps", "1"]
-    out = run_script(*common, "--output_dir", str(tmp_path / "ds"), launcher=launcher(stage)).stdout
+    flags = flags + (["--no-ds3-gather-for-generation"] if script in OFFLINE else [])
+    common = [*model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON, "--gradient_accumulation_steps", "1"]
+    run = sharded_launcher(tmp_path_factory) if stage == 3 else launcher(stage)
+    out = run_script(*probed(str(tmp_path / "ds"), script), *common, "--output_dir", str(tmp_path / "ds"),
+                     launcher=run).stdout
     log, ds = assert_matches_one_process(str(tmp_path / "ds"), one, script, keys, TOLERANCE.get(script, 1e-5),
                                          f"zero{stage}")
     assert "--- samples at step 2 ---" in out
+    assert_sharded_all_the_way(str(tmp_path / "ds"), script, out, sharded=stage == 3)
+    common = [f"algos/{script}.py", *common]
     assert sorted(os.listdir(tmp_path / "ds" / "checkpoints")) == ["step_1", "step_2"]
     if stage == 3 and script in RESUMED:  # resumed from step 1's checkpoint, it ends where the first run ended
         run_script(*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
-                   str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=launcher(stage))
+                   str(tmp_path / "ds" / "checkpoints" / "step_1"), launcher=run)
         assert_same_losses(read_log(str(tmp_path / "resumed")), log, keys, [2])
         resumed = saved_weights(str(tmp_path / "resumed"), script)
         assert all(torch.allclose(resumed[k], ds[k], atol=1e-6) for k in ds)

@@ -193,6 +193,25 @@ def test_tr_dpo_sync_with_alpha_one_makes_the_reference_the_policy(tmp_path, sft
     assert margins[True][1] == pytest.approx(0.0, abs=1e-6) and margins[False][1] > 1e-3
 
 
+def test_tr_dpo_checkpoint_holds_the_reference_once_over_the_ranks(tiny_model):
+    """Without sharding every rank holds the same full reference: rank r writes tensors r, r + world, ...
+    (each once, none twice over the ranks' files), and a rank loads back the tensors it wrote."""
+    import types
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    names = list(model.state_dict())
+    parts = [dpo.reference_state(model, types.SimpleNamespace(process_index=r, num_processes=3)) for r in range(3)]
+    assert sorted(n for part in parts for n in part) == sorted(names)
+    assert list(parts[1]) == names[1::3]
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        for t in fresh.state_dict().values():
+            t.zero_()
+    one = types.SimpleNamespace(process_index=0, num_processes=1)
+    dpo.load_reference_state(fresh, dpo.reference_state(model, one), one)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
 def test_ipo_logs_beta_times_summed_log_ratios_as_every_loss_type(tmp_path, sft_model, tiny_model):
     # one pair, repeated: the logged rewards of step 1 are those of this pair, before any update
     row = {"prompt": "TITLE: post\n\nTL;DR:", "chosen": " good summary here", "rejected": " bad"}

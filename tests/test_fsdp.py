@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
-from tests.test_deepspeed import EVERYTHING_ON, assert_matches_one_process, assert_same_losses, saved_weights
-from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run
+from tests.test_deepspeed import (EVERYTHING_ON, OFFLINE, assert_matches_one_process, assert_same_losses,
+                                  assert_sharded_all_the_way, probed, saved_weights)
+from tests.test_multiprocess import CASES, TOLERANCE, TWO_PROCESSES, model_flags, one_process_run
 from tests.test_sft import read_log
 
 LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch",
@@ -32,12 +33,15 @@ ON_CPU = {**os.environ, "ACCELERATE_USE_CPU": "true"}
 def test_fsdp2_two_processes_match_one_process(tmp_path, tmp_path_factory, sft_model, rm_model, script):
     flags, keys = CASES[script]
     one = one_process_run(script, sft_model, rm_model, tmp_path_factory)
-    common = [f"algos/{script}.py", *model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON,
-              "--gradient_accumulation_steps", "1"]
-    out = run_script(*common, "--output_dir", str(tmp_path / "fsdp"), launcher=LAUNCHER, env=ON_CPU).stdout
+    flags = flags + (["--no-ds3-gather-for-generation"] if script in OFFLINE else [])
+    common = [*model_flags(script, sft_model, rm_model), *flags, *EVERYTHING_ON, "--gradient_accumulation_steps", "1"]
+    out = run_script(*probed(str(tmp_path / "fsdp"), script), *common, "--output_dir", str(tmp_path / "fsdp"),
+                     launcher=LAUNCHER, env=ON_CPU).stdout
     log, fsdp = assert_matches_one_process(str(tmp_path / "fsdp"), one, script, keys, TOLERANCE.get(script, 1e-5),
                                            "fsdp2")
     assert "--- samples at step 2 ---" in out
+    assert_sharded_all_the_way(str(tmp_path / "fsdp"), script, out, sharded=True)
+    common = [f"algos/{script}.py", *common]
     # sharded for real: accelerate writes an FSDP model's state as torch.distributed.checkpoint shards
     assert "pytorch_model_fsdp_0" in os.listdir(tmp_path / "fsdp" / "checkpoints" / "step_1")
     if script in ("grpo", "rloo", "ppo", "online_dpo"):  # resumed from step 1, it ends where the first run ended
@@ -77,3 +81,33 @@ def test_lora_reference_first_keeps_fp32_gradients_under_bf16_mixed_precision(ti
         assert grads and set(grads.values()) == {torch.float32} and all("lora_" in name for name in grads)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.fsdp
+@pytest.mark.parametrize("backend", ["fsdp2", "ddp"])
+def test_tr_dpo_two_processes_match_one_process_and_resume(tmp_path, sft_model, backend):
+    """TR-DPO mixes the policy into the reference each step: under FSDP2 the reference is sharded as the policy
+    (common.models.prepare_frozen), so they mix shard by shard (a full reference met DTensor shards and crashed);
+    2 processes log and save what 1 process does; the checkpoint holds the reference once over the ranks' files
+    (FSDP2: each rank its shards; DDP: rank r every world-th tensor), and resuming it ends where the run ended."""
+    flags = ["algos/dpo.py", "--model_name_or_path", sft_model, "--per_device_train_batch_size", "4", "--max_steps",
+             "3", "--logging_steps", "1", "--dataset_test_split", "", "--sync_ref_model", "--ref_model_sync_steps", "1",
+             "--ref_model_mixup_alpha", "0.5", "--learning_rate", "1e-3", "--warmup_ratio", "0", "--save_steps", "1",
+             "--save_total_limit", "3"]
+    two = LAUNCHER if backend == "fsdp2" else TWO_PROCESSES
+    run_script(*flags, "--output_dir", str(tmp_path / "two"), launcher=two, env=ON_CPU)
+    run_script(*flags, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
+    log = read_log(str(tmp_path / "two"))
+    assert_same_losses(log, read_log(str(tmp_path / "one")), ["loss", "rewards/margins"], [1, 2, 3])
+    weights, reference = saved_weights(str(tmp_path / "two"), "dpo"), saved_weights(str(tmp_path / "one"), "dpo")
+    # summed in other orders, the gradients differ in float noise, which Adam's normalised steps enlarge: 2e-5 here
+    assert all(torch.allclose(weights[k], reference[k], atol=1e-4) for k in weights)
+    step_1 = tmp_path / "two" / "checkpoints" / "step_1"
+    held = [torch.load(step_1 / f"loop_state_{r}.pt", weights_only=True)["ref_model"] for r in range(2)]
+    sizes = [sum(t.numel() for t in part.values()) for part in held]
+    assert sum(sizes) == sum(t.numel() for t in reference.values()) and all(sizes), sizes  # once, split
+    run_script(*flags, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(step_1),
+               launcher=two, env=ON_CPU)
+    assert_same_losses(read_log(str(tmp_path / "resumed")), log, ["loss"], [2, 3])
+    resumed = saved_weights(str(tmp_path / "resumed"), "dpo")
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
