@@ -136,7 +136,7 @@ def rank_bytes(model) -> tuple[int, int]:
     for p in model.parameters():
         size = p.element_size()
         whole += p.numel() * size if getattr(p, "ds_numel", None) is None else p.ds_numel * size
-        here += (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else
+        here += (p.ds_tensor.numel() + p.data.numel() if hasattr(p, "ds_tensor") else  # partition (+ whole: kept)
                  p.to_local().numel() if hasattr(p, "to_local") else p.numel()) * size
     return here, whole
 

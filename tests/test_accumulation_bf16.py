@@ -53,6 +53,9 @@ def test_accumulation_and_bf16_on_two_processes_match_one_process(tmp_path, tmp_
     assert_same_losses(two, one, [k for k in keys if k != "objective/kl"], [1, 2], tolerance=1e-2)
     if "objective/kl" in keys:  # a sum over a response's tokens of log-ratios, each as rounded as a logit (|l| ~ 8:
         assert_same_losses(two, one, ["objective/kl"], [1, 2], tolerance=5e-2)  # 2^-8 * 8 = 0.03)
+        # at step 1 the policy is the reference: the frozen copy computes as the policy does in bf16 (under FSDP2
+        # the same mixed-precision policy, no autocast; under DeepSpeed a bf16 engine), so its KL is 0 exactly
+        assert [r["objective/kl"] for r in two + one if r["step"] == 1] == [0.0, 0.0]
     a, b = (saved_weights(str(tmp_path / n), script) for n in ("2", "1"))
     assert a.keys() == b.keys()
     for name in a:
