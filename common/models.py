@@ -153,7 +153,7 @@ def prepare_frozen(accelerator, model):
     if accelerator.is_fsdp2:  # accelerate prepares the policy so, and with no autocast around it
         from accelerate.utils import fsdp2_prepare_model
 
-        model = fsdp2_prepare_model(accelerator, model.to(accelerator.device))
+        model = fsdp2_prepare_model(accelerator, model)  # fully_shard moves each rank's shard alone to its device
         model.set_reshard_after_forward(True)  # no backward follows to reshard what stays gathered
     elif stage is None:
         model = model.to(accelerator.device)
