@@ -560,8 +560,8 @@ def main(args: Args):
             log_samples(step)
         tracker.log(metrics, step)
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values: what the next steps depend on
-        moved = {"ref_model": reference_state(ref_model, accelerator)} if args.sync_ref_model else {}
-        checkpointer.end_of_step(step, {"bco": (bco_sum, bco_count), **moved})
+        checkpointer.end_of_step(step, lambda: {"bco": (bco_sum, bco_count), **(  # built only when saved
+            {"ref_model": reference_state(ref_model, accelerator)} if args.sync_ref_model else {})})
 
     # ---- SAVE ----
     os.makedirs(args.output_dir, exist_ok=True)

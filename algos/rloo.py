@@ -194,8 +194,7 @@ class Args:
 
     # memory, precision and LoRA
     ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the policy's full weights to sample (off: sharded, slower; a model too large
-    to gather)"""
+    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False
