@@ -67,6 +67,7 @@ class Checkpointer:
                             "loss is caught before backward, and the run saves the last good weights and stops")
         if not resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
             shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
+        accelerator.wait_for_everyone()  # on a shared file system: before any process writes the first one
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
 
     def saved(self) -> list[str]:
