@@ -1,0 +1,435 @@
+"""GKD: on-policy distillation. The student samples; the teacher grades every token of the student's own sample.
+
+Generalized Knowledge Distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
+from Self-Generated Mistakes"): supervised KD trains the student on sequences it would not produce itself, and at
+inference it meets its own mistakes, which it never learnt to recover from. Here a share `lmbda` of the prompts
+get completions the student samples (on-policy); the rest use the dataset's completions (supervised KD). On every
+completion token the student's next-token distribution Q is pulled towards the teacher's P by
+
+    D_beta = [beta KL(P || M) + (1 - beta) KL(Q || M)] / (beta (1 - beta)),    M = beta P + (1 - beta) Q
+    D_0 = KL(P || Q)  (forward KL: what supervised KD minimises)     D_1 = KL(Q || P)  (reverse KL: mode-seeking)
+
+summed over the vocabulary and averaged over the step's completion tokens. lmbda 1 with beta 1 is the recipe
+popularised as "on-policy distillation" (Thinking Machines, 2025; MiniLLM, Gu et al. 2024, also minimises the
+reverse KL). `--loss_type token_reward` is that write-up's form: each sampled token is rewarded with
+log P(y_t) - log Q(y_t) (minus the per-token reverse KL) and the student follows the policy gradient, which in
+expectation is the gradient of D_1 from one token instead of the whole vocabulary.
+
+Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
+- D_beta is the generalised JSD divided by beta (1 - beta). Undivided it tends to 0 as beta -> 0 or 1, so an
+  implementation that computes the ends as plain KLs (TRL does) jumps from ~0 to a KL there; divided, beta
+  0.01 and 0 give nearly the same loss. Inside (0, 1) it is TRL's value times 1 / (beta (1 - beta)) (4x at 0.5).
+- The on/off-policy draw is per prompt, from its place in the run and the seed, not `random() <= lmbda` per
+  batch and process: the same prompts are sampled on 1 or N processes, and a run resumes exactly.
+- The divergence is taken at temperature 1, as TRL does: distillation matches the models' distributions at the
+  states visited; `--temperature` only explores (it decides which states). Supervised KD's softening temperature
+  (Hinton et al. 2015) is another knob, left out.
+- No sampling from the teacher (TRL's seq_kd): off-policy rows use the dataset, which needs no teacher generate.
+- Memory: the divergence is taken a chunk of positions at a time in fp32 and recomputed in backward, so no fp32
+  copy of either [B, T, V] logit tensor exists (at a 150k vocabulary x 1024 positions a pair is 1.2 GB).
+
+    python algos/gkd.py    # tiny TL;DR: the SFT student distilled from output/ppo
+    accelerate launch algos/gkd.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --teacher_model_name_or_path Qwen/Qwen2.5-7B-Instruct --dataset_name trl-lib/tldr --lmbda 1 --beta 1 ...
+"""
+
+import math
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from torch.utils.checkpoint import checkpoint
+from transformers import get_scheduler
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
+from common.checkpoint import Checkpointer, save_model
+from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
+from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
+from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
+from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.tracking import Tracker, reduce_stats
+from common.vllm import VLLMSampler, sampler_options
+
+
+@dataclass
+class Args:
+    # algorithm: the divergence on the student's samples (module docstring)
+    lmbda: float = 1.0
+    """share of prompts whose completion the student samples (1: fully on-policy; 0: the dataset's: supervised KD)"""
+    beta: float = 1.0
+    """0: forward KL(teacher || student); 1: reverse KL(student || teacher); between: the generalised JSD"""
+    loss_type: Literal["jsd", "token_reward"] = "jsd"
+    """jsd: D_beta over the whole vocabulary; token_reward: log P - log Q of each sampled token as its reward
+    (the reverse KL's policy gradient from one token; needs lmbda 1 and temperature 1)"""
+
+    # models and data
+    model_name_or_path: str = "output/sft"
+    """the student, usually an SFT model"""
+    teacher_model_name_or_path: str = "output/ppo"
+    """the teacher: any causal LM with the student's tokenizer (vocabulary)"""
+    dataset_name: str = "tiny_tldr/tldr"
+    """prompt-only (lmbda 1) or prompt-completion data, standard or conversational"""
+    dataset_train_split: str = "train"
+    """split whose prompts are used"""
+    max_length: int = 512
+    """prompt + completion tokens: prompts lose their start to leave max_new_tokens for the completion"""
+
+    # sampling
+    max_new_tokens: int = 48
+    """tokens sampled per completion (and the most a dataset completion keeps)"""
+    temperature: float = 1.0
+    """sampling temperature (the divergence itself is taken at temperature 1: module docstring)"""
+
+    # optimization
+    learning_rate: float = 3e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "linear"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.0
+    """share of the steps spent warming the learning rate up"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 100
+    """optimizer steps to run"""
+    per_device_train_batch_size: int = 16
+    """prompts per micro-batch per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    seed: int = 1
+    """seed of the run (which prompts are on-policy; each completion is sampled with its own seed)"""
+
+    # checkpoints and stopping (common/checkpoint.py)
+    output_dir: str = "output/gkd"
+    """where the model, tokenizer and logs/<run_name>.jsonl are written"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
+    ddp_timeout: int = 1800
+    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
+
+    # sampling with vLLM (common/vllm.py)
+    use_vllm: bool = False
+    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of the vLLM server"""
+    vllm_server_port: int = 8000
+    """server: HTTP port of the vLLM server"""
+    vllm_group_host: str | None = None
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
+    vllm_group_port: int = 51216
+    """server: port on which the trainer opens the NCCL group that carries the weights"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer before giving up"""
+    # no --vllm_importance_sampling_*: D_beta is a divergence at each visited state, not an estimate under the
+    # sampler; which states vLLM visits does not bias it (token_reward is: use HF generate for it)
+
+    # memory, precision and LoRA
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the student's full weights to sample (off: sharded, slower; a model too large
+    to gather)"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    use_peft: bool = False
+    """train LoRA adapters on the student instead of all weights (needs peft)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+    disable_dropout: bool = True
+    """no dropout in the student: its distributions are then exact, not noisy (as TRL)"""
+
+    # tracking and samples (common/tracking.py)
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    eval_steps: int = 50
+    """print a table of the student's completions with their divergence every this many steps"""
+    num_sample_generations: int = 4
+    """completions shown in the samples table"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """number of processes (set at runtime)"""
+    total_batch_size: int = 0
+    """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
+    num_steps: int = 0
+    """optimizer steps of the run (set at runtime)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: the divergence per token, the token-reward loss, the on/off-policy draw
+# ---------------------------------------------------------------------------------------------
+def _divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """D_beta at each position of one chunk, in fp32 at least ([N, V] -> [N])."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    q = torch.log_softmax(student_logits.to(dtype), dim=-1)
+    p = torch.log_softmax(teacher_logits.to(dtype), dim=-1)
+    if beta == 0:
+        return (p.exp() * (p - q)).sum(-1)  # KL(P || Q)
+    if beta == 1:
+        return (q.exp() * (q - p)).sum(-1)  # KL(Q || P)
+    m = torch.logsumexp(torch.stack([p + math.log(beta), q + math.log(1 - beta)]), dim=0)  # log M
+    return (beta * (p.exp() * (p - m)).sum(-1) + (1 - beta) * (q.exp() * (q - m)).sum(-1)) / (beta * (1 - beta))
+
+
+def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                     elements: int = 2**21) -> torch.Tensor:
+    """D_beta (module docstring) at every position ([B, T, V] x 2 -> [B, T]), a chunk of about `elements` logits
+    at a time, recomputed in backward (torch.utils.checkpoint): fp32 copies exist of one chunk of each only."""
+    vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])  # a model's head may be padded past its tokens
+    s, t = student_logits[..., :vocab].flatten(0, -2), teacher_logits[..., :vocab].flatten(0, -2)
+    size = max(1, elements // vocab)
+    out = [checkpoint(_divergence, s[i:i + size], t[i:i + size], beta, use_reentrant=False)
+           for i in range(0, len(s), size)]
+    return torch.cat(out).view(student_logits.shape[:-1])
+
+
+def gkd_loss(student_logits, teacher_logits, completion_ids, mask, *, beta: float, loss_type: str,
+             num_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-token divergence detached) over the completion tokens where `mask` is 1; the loss is summed and
+    divided by `num_tokens`, the step's completion tokens scaled to one micro-batch on one process (so
+    accumulation and processes average over tokens, not over micro-batches). token_reward: the per-token reverse
+    KL estimate k = log Q(y_t) - log P(y_t) as a negative reward, loss = sum_t k_t (detached) log Q(y_t): its
+    gradient E_Q[(log Q - log P) grad log Q] is the reverse KL's."""
+    if loss_type == "jsd":
+        per_token = token_divergence(student_logits, teacher_logits, beta)
+        return (per_token * mask).sum() / num_tokens, per_token.detach()
+    logq = token_logprobs(student_logits, completion_ids)
+    k = (logq - token_logprobs(teacher_logits, completion_ids)).detach()
+    return (k * logq * mask).sum() / num_tokens, k
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Logits before each completion token ([B, T, V]), prompts left-padded and completions right-padded as the
+    rollout returns them; at temperature 1 (the divergence's: module docstring)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    return shifted_logits(model, input_ids, attention_mask, prompt_ids.shape[1] - 1)
+
+
+def on_policy(seed: int, place: int, lmbda: float) -> bool:
+    """Whether the prompt at `place` in the run (its global index) gets a completion the student samples: a draw
+    from its own seeded stream, so 1 and N processes, and a resumed run, decide alike."""
+    return random.Random(seed * 10**9 + place).random() < lmbda
+
+
+def main(args: Args):
+    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    if not 0 <= args.lmbda <= 1 or not 0 <= args.beta <= 1:
+        raise UserError(f"--lmbda {args.lmbda} and --beta {args.beta} must lie in [0, 1]")
+    if args.loss_type == "token_reward" and (args.lmbda != 1 or args.temperature != 1 or args.use_vllm):
+        raise UserError("--loss_type token_reward is a policy gradient, exact only on the student's own samples: it "
+                        "needs --lmbda 1 and --temperature 1 and HF generate (no --use_vllm); use --loss_type jsd")
+    accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
+                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+    args.world_size = accelerator.num_processes
+    args.run_name = args.run_name or f"gkd__{args.seed}__{int(time.time())}"
+    args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    args.num_steps = args.max_steps
+    if args.max_new_tokens >= args.max_length:
+        raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
+                        f"under max_length {args.max_length}")
+
+    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
+    # ---- models and data ----
+    tokenizer = load_tokenizer(args.model_name_or_path, role="student")
+    teacher_tokenizer = load_tokenizer(args.teacher_model_name_or_path, role="teacher")
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"the teacher '{args.teacher_model_name_or_path}' ({len(teacher_tokenizer)} tokens) and the "
+                        f"student '{args.model_name_or_path}' ({len(tokenizer)} tokens) have different vocabularies; "
+                        "distillation compares their distributions token by token and needs one tokenizer")
+    dataset = load_split(args.dataset_name, args.dataset_train_split)
+    layout = check_columns(dataset, {"prompt-completion": ["prompt", "completion"], "prompt-only": ["prompt"]},
+                           f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to gkd.py,")
+    if layout == "prompt-only" and args.lmbda < 1:
+        raise UserError(f"--lmbda {args.lmbda} trains {1 - args.lmbda:.0%} of prompts on the dataset's completions, "
+                        f"but '{args.dataset_name}' has no completion column; use --lmbda 1 or prompt-completion data")
+    rows = list(dataset)
+    check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
+                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                               f"{args.world_size} processes")
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
+    steps_per_epoch = max(1, len(rows) // args.total_batch_size)
+    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                 target_modules=args.lora_target_modules) if args.use_peft else None)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype, role="student"),
+                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
+    teacher = prepare_frozen(accelerator, load_policy(args.teacher_model_name_or_path, tokenizer, args.torch_dtype,
+                                                      role="teacher"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                              args.num_steps)
+    # the scheduler is not prepared: accelerate would step it once per process per call
+    model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options)
+               if args.use_vllm else None)
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
+                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
+                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
+                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts, "
+                      f"{args.lmbda:.0%} sampled by the student; teacher {args.teacher_model_name_or_path}")
+
+    def prompt_batches():
+        """Endless shuffled micro-batches of this process's share of each global batch: (row, place in the run)."""
+        rng, place = random.Random(args.seed), 0  # same order on every rank; each rank takes its own slice
+        per_step = args.per_device_train_batch_size * args.world_size
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for start in range(0, len(order) - per_step + 1, per_step):
+                batch = [(i, place + j) for j, i in enumerate(order[start:start + per_step])]
+                place += per_step
+                yield batch[accelerator.process_index::args.world_size]
+
+    def completions(batch):
+        """(prompt ids, completion ids, completion mask, finished, sampled) of a micro-batch: the student samples
+        the on-policy prompts' completions (every rank calls generate, in step); the others are the dataset's."""
+        sampled = [on_policy(args.seed, place, args.lmbda) for _, place in batch]
+        chosen = [(i, place) for (i, place), s in zip(batch, sampled) if s]
+        ids = {}
+        if args.lmbda > 0:  # every rank samples, a prompt at least (sharded, each forward is collective)
+            seeds = [args.seed * 10**9 + place for _, place in chosen] or [0]
+            chosen_prompts = [prompt_ids[i] for i, _ in chosen] or [prompt_ids[batch[0][0]]]
+            if sampler is not None:
+                if sampler.needs_push:
+                    sampler.push_weights(model)
+                samples = sampler.generate(tokenizer, chosen_prompts, args.max_new_tokens,
+                                           temperature=args.temperature, seeds=seeds)
+            else:
+                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
+                    samples = generate(unwrapped, tokenizer, chosen_prompts, args.max_new_tokens,
+                                       temperature=args.temperature, seeds=seeds)
+            for (i, place), c, m in zip(chosen, samples.completion_ids, samples.completion_mask):
+                ids[place] = c[m.bool()].tolist()
+        for i, place in batch:
+            if place not in ids:  # the dataset's completion, cut to max_new_tokens
+                ids[place] = encode_completion(tokenizer, rows[i]["prompt"], rows[i]["completion"])[
+                             :args.max_new_tokens]
+        eos = tokenizer.eos_token_id
+        finished = torch.tensor([bool(ids[place]) and ids[place][-1] == eos for _, place in batch])
+        p_ids, p_mask = pad([prompt_ids[i] for i, _ in batch], tokenizer.pad_token_id, side="left")
+        c_ids, c_mask = pad([ids[place] for _, place in batch], tokenizer.pad_token_id)
+        device = accelerator.device
+        return p_ids.to(device), p_mask.to(device), c_ids.to(device), c_mask.to(device), finished, torch.tensor(sampled)
+
+    batches = prompt_batches()
+    for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
+        next(batches)
+    start_time = time.time()
+    for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
+        # ---- ROLLOUT: the step's completions (the student's samples, or the dataset's) ----
+        if sampler is not None and step > 1:  # the student changed since the engine last got its weights
+            sampler.push_weights(model)
+        micro = [(batch, completions(batch))
+                 for batch in (next(batches) for _ in range(args.gradient_accumulation_steps))]
+        global_tokens = accelerator.reduce(sum(m.sum() for _, (_, _, _, m, _, _) in micro).float(), "sum")
+        num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)
+
+        # ---- UPDATE: the teacher grades every completion token; the student moves towards it ----
+        stats = defaultdict(float)
+        for batch, (p_ids, p_mask, c_ids, c_mask, finished, sampled) in micro:
+            with accelerator.accumulate(model):
+                student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+                with torch.no_grad():
+                    teacher_logits = completion_logits(teacher, p_ids, p_mask, c_ids, c_mask)
+                loss, per_token = gkd_loss(student_logits, teacher_logits, c_ids, c_mask.float(), beta=args.beta,
+                                           loss_type=args.loss_type, num_tokens=num_tokens)
+                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                    accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
+                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
+                optimizer.step()
+                optimizer.zero_grad()
+            with torch.no_grad():
+                logq = token_logprobs(student_logits.detach(), c_ids)
+                logp = token_logprobs(teacher_logits, c_ids)
+            tokens = c_mask.sum().clamp(min=1)
+            stats["loss"] += loss.detach()
+            stats["objective/kl"] += ((logq - logp) * c_mask).sum() / tokens  # sampled-token reverse KL estimate
+            stats["logps/student"] += (logq * c_mask).sum() / tokens
+            stats["logps/teacher"] += (logp * c_mask).sum() / tokens
+            stats["on_policy_ratio"] += sampled.float().mean()
+            stats["completions/mean_length"] += c_mask.sum(1).float().mean()
+            stats["val/contain_eos_token"] += finished.float().mean()
+        scheduler.step()
+        tracker.step()
+
+        # ---- LOG ----
+        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        metrics |= {"grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
+                    "epoch": step / steps_per_epoch, "num_tokens": global_tokens.item(),
+                    "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
+        if step % args.eval_steps == 0 or step == 1:
+            batch, (p_ids, p_mask, c_ids, c_mask, _, sampled) = micro[-1]
+            texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+            shown = range(min(args.num_sample_generations, len(batch)))
+            tracker.log_samples([{"prompt": rows[batch[j][0]]["prompt"], "completion": texts[j],
+                                  "by": "student" if sampled[j] else "dataset",
+                                  "divergence": float((per_token[j] * c_mask[j]).sum() / c_mask[j].sum().clamp(min=1))}
+                                 for j in shown], step)
+        tracker.log(metrics, step)
+        # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+        checkpointer.end_of_step(step, {})
+
+    # ---- SAVE ----
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_model(accelerator, model, tokenizer, args.output_dir)
+    accelerator.print(f"saved model and tokenizer to {args.output_dir}")
+    tracker.close()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error(), stop_on_signal():
+        main(tyro.cli(Args))

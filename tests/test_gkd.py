@@ -1,0 +1,168 @@
+"""gkd.py: the divergence and the token-reward loss against values and gradients worked out here (plain Python
+floats over a 3-token vocabulary, closed-form gradients), the per-token pass against each row's own forward, the
+on/off-policy draw, and the script's one-line refusals."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from algos import gkd
+from common.models import load_policy
+from tests.conftest import run_script
+from tests.test_per_token_passes import COMPLETIONS, PROMPTS, own_logits, perturbed
+
+STUDENT = [0.5, -1.0, 2.0]  # logits over a 3-token vocabulary
+TEACHER = [1.5, 0.0, -0.5]
+
+
+def softmax(z):
+    e = [math.exp(x) for x in z]
+    return [x / sum(e) for x in e]
+
+
+def kl(a, b):
+    return sum(x * math.log(x / y) for x, y in zip(a, b))
+
+
+def expected(beta, student=STUDENT, teacher=TEACHER):
+    """D_beta from its definition, in probabilities: [beta KL(P||M) + (1-beta) KL(Q||M)] / (beta (1-beta))."""
+    q, p = softmax(student), softmax(teacher)
+    if beta == 0:
+        return kl(p, q)
+    if beta == 1:
+        return kl(q, p)
+    m = [beta * x + (1 - beta) * y for x, y in zip(p, q)]
+    return (beta * kl(p, m) + (1 - beta) * kl(q, m)) / (beta * (1 - beta))
+
+
+def divergence(beta, student=STUDENT, teacher=TEACHER, elements=2**21):
+    s = torch.tensor([[student]], dtype=torch.float64, requires_grad=True)
+    d = gkd.token_divergence(s, torch.tensor([[teacher]], dtype=torch.float64), beta, elements=elements)
+    return d, s
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
+def test_divergence_against_its_definition(beta):
+    d, _ = divergence(beta)
+    assert d.item() == pytest.approx(expected(beta), rel=1e-12)
+
+
+def test_divergence_is_continuous_at_both_ends():
+    """Undivided, the generalised JSD tends to 0 at the ends; divided by beta (1 - beta) it tends to the KLs."""
+    assert divergence(1e-6)[0].item() == pytest.approx(expected(0.0), rel=1e-5)
+    assert divergence(1 - 1e-6)[0].item() == pytest.approx(expected(1.0), rel=1e-5)
+    assert expected(0.0) != pytest.approx(expected(1.0), rel=1e-2)  # the ends differ: the test can tell them apart
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_divergence_gradient(beta):
+    """beta 0: d KL(P||Q) / dz = q - p; beta 1: d KL(Q||P) / dz_i = q_i (log(q_i / p_i) - KL(Q||P));
+    beta 0.5: central differences of the definition."""
+    d, s = divergence(beta)
+    d.sum().backward()
+    q, p = softmax(STUDENT), softmax(TEACHER)
+    if beta == 0:
+        want = [a - b for a, b in zip(q, p)]
+    elif beta == 1:
+        want = [a * (math.log(a / b) - kl(q, p)) for a, b in zip(q, p)]
+    else:
+        h = 1e-6
+        want = [(expected(beta, [z + h * (j == i) for j, z in enumerate(STUDENT)]) -
+                 expected(beta, [z - h * (j == i) for j, z in enumerate(STUDENT)])) / (2 * h) for i in range(3)]
+    assert s.grad[0, 0].tolist() == pytest.approx(want, abs=1e-8)
+
+
+def test_chunks_give_the_values_and_gradients_of_one_pass():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(3, 5, 7, dtype=torch.float64), torch.randn(3, 5, 7, dtype=torch.float64)
+    results = []
+    for elements in (7, 2**21):  # one position a chunk; everything at once
+        s = student.clone().requires_grad_()
+        d = gkd.token_divergence(s, teacher, 0.3, elements=elements)
+        (d * torch.arange(15.0, dtype=torch.float64).view(3, 5)).sum().backward()
+        results.append((d.detach(), s.grad))
+    assert torch.allclose(results[0][0], results[1][0]) and torch.allclose(results[0][1], results[1][1])
+
+
+def test_a_padded_head_is_cut_to_the_shorter_vocabulary():
+    """Two sizes of one family share a tokenizer but not always a head size (Qwen2.5: 151936 and 152064)."""
+    d, _ = divergence(0.5, STUDENT + [9.0], TEACHER)
+    assert d.item() == pytest.approx(expected(0.5), rel=1e-12)
+
+
+def test_loss_sums_the_masked_tokens_over_the_step_token_count():
+    """Positions under mask 0 (padding after the completion) change nothing, whatever their logits."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    loss, per_token = gkd.gkd_loss(student, teacher, ids, mask, beta=1.0, loss_type="jsd", num_tokens=5.0)
+    want = sum(expected(1.0, student[b, t].tolist(), teacher[b, t].tolist()) for b, t in [(0, 0), (0, 1), (1, 0)]) / 5
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    student[0, 2], student[1, 1:] = 100.0, -100.0
+    assert gkd.gkd_loss(student, teacher, ids, mask, beta=1.0, loss_type="jsd", num_tokens=5.0)[0].item() == \
+        pytest.approx(want, rel=1e-5)
+
+
+def test_token_reward_gradient_is_the_reverse_kl_estimate_times_the_score():
+    """loss = k log Q(y), k = log Q(y) - log P(y) detached: d/dz = k (onehot(y) - q) / num_tokens."""
+    s = torch.tensor([[STUDENT]], requires_grad=True)
+    loss, k = gkd.gkd_loss(s, torch.tensor([[TEACHER]]), torch.tensor([[2]]), torch.ones(1, 1), beta=1.0,
+                           loss_type="token_reward", num_tokens=2.0)
+    loss.backward()
+    q, p = softmax(STUDENT), softmax(TEACHER)
+    k_want = math.log(q[2] / p[2])
+    assert k.item() == pytest.approx(k_want, rel=1e-5)
+    assert s.grad[0, 0].tolist() == pytest.approx([k_want * ((i == 2) - q[i]) / 2 for i in range(3)], abs=1e-6)
+
+
+def test_completion_logits_are_each_rows_own(tiny_model, tokenizer):
+    """Prompts left-padded, completions right-padded, two rows sharing a prompt: the logits before each
+    completion token equal the row's own unpadded forward (temperature 1), for the student and the teacher."""
+    from common.generation import pad
+
+    student = load_policy(tiny_model, tokenizer).eval()
+    teacher = perturbed(load_policy(tiny_model, tokenizer)).eval()
+    p_ids, p_mask = pad(PROMPTS, tokenizer.pad_token_id, side="left")
+    c_ids, c_mask = pad(COMPLETIONS, tokenizer.pad_token_id)
+    for model in (student, teacher):
+        with torch.no_grad():
+            logits = gkd.completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+        for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+            assert torch.allclose(logits[i, :len(c)].float(), own_logits(model, p, c), atol=1e-4), i
+
+
+def test_on_policy_draw_is_per_prompt_seeded_and_shares_lmbda():
+    draws = [gkd.on_policy(1, place, 0.3) for place in range(4000)]
+    assert sum(draws) / len(draws) == pytest.approx(0.3, abs=0.03)
+    assert draws == [gkd.on_policy(1, place, 0.3) for place in range(4000)]  # the same on every process, resumed
+    assert draws != [gkd.on_policy(2, place, 0.3) for place in range(4000)]
+    assert all(gkd.on_policy(1, place, 1.0) for place in range(100)) and not any(
+        gkd.on_policy(1, place, 0.0) for place in range(100))
+    random.random()  # the draw uses its own stream, not the global one
+
+
+def test_teacher_equal_to_the_student_gives_loss_zero_and_a_loadable_model(tmp_path, tiny_model):
+    run_script("algos/gkd.py", "--model_name_or_path", tiny_model, "--teacher_model_name_or_path", tiny_model,
+               "--max_steps", "1", "--per_device_train_batch_size", "4", "--max_new_tokens", "8", "--lmbda", "0.5",
+               "--beta", "0.5", "--logging_steps", "1", "--output_dir", str(tmp_path))
+    from tests.test_sft import read_log
+
+    row = read_log(str(tmp_path))[0]
+    assert abs(row["loss"]) < 1e-8 and row["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert 0 < row["on_policy_ratio"] < 1
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss_type", "token_reward", "--lmbda", "0.5"], "needs --lmbda 1 and --temperature 1"),
+    (["--lmbda", "1.5"], "must lie in [0, 1]"),
+])
+def test_refusals_in_one_line(tmp_path, tiny_model, flags, message):
+    proc = run_script("algos/gkd.py", "--model_name_or_path", tiny_model, "--teacher_model_name_or_path", tiny_model,
+                      "--output_dir", str(tmp_path), *flags, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
