@@ -395,11 +395,10 @@ def main(args: Args):
             with torch.no_grad():
                 logq = token_logprobs(student_logits.detach(), c_ids)
                 logp = token_logprobs(teacher_logits, c_ids)
-            tokens = c_mask.sum().clamp(min=1)
-            stats["loss"] += loss.detach()
-            stats["objective/kl"] += ((logq - logp) * c_mask).sum() / tokens  # sampled-token reverse KL estimate
-            stats["logps/student"] += (logq * c_mask).sum() / tokens
-            stats["logps/teacher"] += (logp * c_mask).sum() / tokens
+            stats["loss"] += loss.detach()  # per-token means over the step's tokens, as the loss (any split)
+            stats["objective/kl"] += ((logq - logp) * c_mask).sum() / num_tokens  # sampled-token reverse KL
+            stats["logps/student"] += (logq * c_mask).sum() / num_tokens
+            stats["logps/teacher"] += (logp * c_mask).sum() / num_tokens
             stats["on_policy_ratio"] += sampled.float().mean()
             stats["completions/mean_length"] += c_mask.sum(1).float().mean()
             stats["val/contain_eos_token"] += finished.float().mean()

@@ -12,6 +12,13 @@ logits themselves (their own size given beside it) for:
     trl     TRL 1.16's selective_log_softmax (given the temperature) + entropy_from_logits (of the
             logits divided by it), pip install -e ".[bench]"
 
+and, for gkd.py, the generalised JSD (beta 0.5) of a student's and a teacher's logits [B, T, V] (the teacher's
+without gradient) summed over the vocabulary, averaged over the tokens, and backpropagated:
+
+    gkd-plain  the whole-tensor formula in fp32 (gkd.py's per-chunk function applied to all positions at once)
+    gkd-ours   gkd.token_divergence: chunks of positions in fp32, recomputed in backward
+    gkd-trl    TRL 1.16's GKDTrainer.generalized_jsd_loss (whole tensors, in the logits' dtype)
+
     python benchmarks/memory.py            # writes benchmarks/results/memory.md
 """
 
@@ -44,6 +51,8 @@ def run(impl: str, batch: int, length: int, vocab: int) -> dict:
     logits = torch.randn(batch, length, vocab, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(vocab, (batch, length))
     mask = torch.ones(batch, length)
+    if impl.startswith("gkd"):
+        return run_gkd(impl, logits, mask)
     start = rss_mib()  # the logits are allocated and touched
     if impl == "before":
         logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
@@ -64,6 +73,44 @@ def run(impl: str, batch: int, length: int, vocab: int) -> dict:
             "peak_above_mib": peak - start, "loss": loss.item(), "entropy": entropy.mean().item()}
 
 
+def run_gkd(impl: str, student: torch.Tensor, mask: torch.Tensor) -> dict:
+    """gkd.py's divergence at beta 0.5 (module docstring): peak memory above both logit tensors."""
+    from algos import gkd
+
+    teacher = torch.randn_like(student, requires_grad=False) * 2
+    start = rss_mib()
+    if impl == "gkd-plain":
+        loss = gkd._divergence(student.flatten(0, 1), teacher.flatten(0, 1), 0.5).sum() / mask.sum()
+    elif impl == "gkd-ours":
+        loss = (gkd.token_divergence(student, teacher, 0.5) * mask).sum() / mask.sum()
+    else:
+        from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+        # TRL's value is the undivided generalised JSD: beta (1 - beta) = 1/4 of gkd.py's at beta 0.5
+        loss = GKDTrainer.generalized_jsd_loss(student, teacher, torch.ones_like(mask, dtype=torch.long), beta=0.5) * 4
+    loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"impl": impl, "shape": f"{student.shape[0]} x {student.shape[1]} x {student.shape[2]}",
+            "logits_mib": 2 * student.numel() * 2 / 2**20, "peak_above_mib": peak - start, "loss": loss.item(),
+            "entropy": 0.0}
+
+
+def table(rows: list[dict], impls: list[str], what: str, tolerance: float) -> list[str]:
+    """Markdown rows: per shape, each implementation's peak above the logits (and its ratio to them)."""
+    lines = [f"| shape (B x T x V, bf16) | {what} MiB | " + " | ".join(f"{i} peak above, MiB" for i in impls) + " |",
+             "|---|---|" + "---|" * len(impls)]
+    for shape in SHAPES:
+        cells = {r["impl"]: r for r in rows if r["shape"] == " x ".join(map(str, shape)) and r["impl"] in impls}
+        first = next(iter(cells.values()))
+        lines.append(f"| {first['shape']} | {first['logits_mib']:.0f} | "
+                     + " | ".join(f"{cells[i]['peak_above_mib']:.0f} "
+                                  f"({cells[i]['peak_above_mib'] / first['logits_mib']:.2f}x)" for i in impls) + " |")
+    losses = {shape: [r["loss"] for r in rows if r["shape"] == " x ".join(map(str, shape)) and r["impl"] in impls]
+              for shape in SHAPES}
+    same = all(abs(x / v[0] - 1) < tolerance for v in losses.values() for x in v)
+    return lines + [f"\nSame loss across implementations (relative {tolerance:g}): {same}."]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", nargs=4, metavar=("IMPL", "B", "T", "V"), help=argparse.SUPPRESS)
@@ -74,29 +121,21 @@ def main():
         return
     try:
         import trl  # noqa: F401
-        impls = ["before", "ours", "trl"]
+        impls, gkd_impls = ["before", "ours", "trl"], ["gkd-plain", "gkd-ours", "gkd-trl"]
     except ImportError:
-        impls = ["before", "ours"]
+        impls, gkd_impls = ["before", "ours"], ["gkd-plain", "gkd-ours"]
         print("trl is not installed (pip install -e '.[bench]'): measuring without it", file=sys.stderr)
     rows = []
     for shape in SHAPES:
-        for impl in impls:
+        for impl in impls + gkd_impls:
             out = subprocess.run([sys.executable, __file__, "--one", impl, *map(str, shape)], capture_output=True,
                                  text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
-    lines = ["| shape (B x T x V, bf16) | logits MiB | " + " | ".join(f"{i} peak above, MiB" for i in impls) + " |",
-             "|---|---|" + "---|" * len(impls)]
-    for shape in SHAPES:
-        cells = {r["impl"]: r for r in rows if r["shape"] == " x ".join(map(str, shape))}
-        first = next(iter(cells.values()))
-        lines.append(f"| {first['shape']} | {first['logits_mib']:.0f} | "
-                     + " | ".join(f"{cells[i]['peak_above_mib']:.0f} "
-                                  f"({cells[i]['peak_above_mib'] / first['logits_mib']:.2f}x)" for i in impls) + " |")
-    same = all(abs(r["loss"] / rows[0 if r["shape"] == rows[0]["shape"] else len(impls)]["loss"] - 1) < 1e-3
-               for r in rows)
-    lines.append(f"\nSame loss across implementations (relative 1e-3): {same}. Temperature {TEMPERATURE}; "
-                 "peak resident memory of a fresh process above its logits, loss.backward() included.")
+    lines = table(rows, impls, "logits", 1e-3) + [
+        f"Temperature {TEMPERATURE}; peak resident memory of a fresh process above its logits, loss.backward() "
+        "included.", "", "gkd.py's divergence (beta 0.5, temperature 1: gkd.py's docstring), student and teacher "
+        "logits, the teacher's without gradient:", ""] + table(rows, gkd_impls, "both logits", 1e-2)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,7 +1,8 @@
 """The tiny TL;DR pipeline end to end on a CPU: tiny base model -> SFT -> reward model, then DPO and
 KTO from the SFT model on the preference pairs, GRPO, RLOO, online DPO and PPO from the SFT model
 with the reward model, on equal budgets (every online run samples --completions completions; DPO and
-KTO see every preference pair once); then the evaluation (benchmarks/tiny_tldr_eval.py) of each
+KTO see every preference pair once), and GKD: the SFT model distilled on-policy from PPO's policy, with
+as many completions; then the evaluation (benchmarks/tiny_tldr_eval.py) of each
 policy as soon as it is trained: its gold win rate against the reference summaries, its reward model
 score, its KL to the SFT model and its length, next to the oracle (gold-optimal summaries); plus the
 reward model's held-out accuracy, the online runs' reward along training and seconds per step.
@@ -49,11 +50,13 @@ STAGES = {
                    "16 prompts x 2 samples"),
     "grpo": ("algos/grpo.py", ("sft", "reward"), "GRPO", "dapo loss, beta 0.04", "32 samples"),
     "dpo": ("algos/dpo.py", ("sft",), "DPO", "sigmoid", "16 pairs"),
+    # on-policy distillation: the SFT model as the student of the chain's strongest policy (PPO), no reward model
+    "gkd": ("algos/gkd.py", ("sft", "ppo"), "GKD", "on-policy, reverse KL, teacher PPO", "16 samples"),
 }
-POLICIES = ["sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]  # the table's order
+POLICIES = ["sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo", "gkd"]  # the table's order
 # completions each online script samples per step at its defaults (grpo: 4 prompts x 8, rloo: 8 x 4,
 # online DPO: 16 x 2, ppo: 32 x 1): every online run gets the same --completions
-SAMPLES_PER_STEP = {"grpo": 32, "rloo": 32, "online_dpo": 32, "ppo": 32}
+SAMPLES_PER_STEP = {"grpo": 32, "rloo": 32, "online_dpo": 32, "ppo": 32, "gkd": 16}
 # what each online script logs per step: the reward model's mean score of its samples, and its KL
 # to the reference (grpo: per-token k3 mean; the others: k1 summed over each sequence)
 ONLINE_KEYS = {"grpo": ("reward", "kl"), "rloo": ("objective/scores", "objective/kl"),
@@ -75,7 +78,7 @@ class Args:
     """pass --track to every training stage (wandb; WANDB_MODE=offline works without network)"""
     completions: int = 2400
     """sampled completions of every online run (the same budget for GRPO, RLOO, online DPO and PPO:
-    completions / 32 steps); DPO and KTO each see every training preference pair once"""
+    completions / 32 steps; GKD: completions / 16 steps); DPO and KTO each see every training preference pair once"""
     max_steps: int = -1
     """quick mode when > 0: every training stage stops after this many steps (rollouts for RLOO and PPO)
     and skips its own evaluations (except the reward model's accuracy); the numbers then only show that the job runs"""
@@ -101,6 +104,8 @@ def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, st
         argv += ["--max_steps", str(steps)]
     argv += ["--model_name_or_path", tiny_tldr.TINY_MODEL if name == "sft" else out("sft"), "--dataset_name",
              tiny_tldr.TINY_PREFERENCE_DATA if name in ("reward", "dpo", "kto") else tiny_tldr.TINY_SFT_DATA]
+    if name == "gkd":
+        argv += ["--teacher_model_name_or_path", out("ppo")]
     if name in ("grpo", "rloo", "online_dpo", "ppo"):  # the gold judge, logged (weight 0), not optimised
         argv += ["--reward_model_path" + ("" if name == "ppo" else "s"), out("reward"),
                  "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--reward_weights", "1", "0"]
@@ -269,7 +274,7 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
         f"| reward model | (held-out preference accuracy: **{col('reward', 'accuracy', '.1%')}**) | | | | | "
         f"| {col('reward', 's_per_step', '.3f')} (16 pairs) | {col('reward', 'seconds', '.0f')} |",
         *[policy_row(name) for name in POLICIES[1:]],
-        "| evaluation (7 policies, each as soon as it is trained) | | | | | | | "
+        f"| evaluation ({len(POLICIES)} policies, each as soon as it is trained) | | | | | | | "
         f"| {col('evaluate', 'seconds', '.0f')} |",
         f"| total | | | | | | | | {total:.0f} |",
     ]
@@ -298,7 +303,8 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
         f"{args.kl_prompts} test prompts, and the mean over them of sum_t [log pi(y_t) - log pi_SFT(y_t)]. "
         "The RM reward of samples is the reward model's mean score of the completions the online runs sampled, "
         "over the first and the last tenth of their steps. Budgets: every online run samples "
-        f"{args.completions if args.max_steps <= 0 else args.max_steps * 32} completions (32 per step); DPO and KTO "
+        f"{args.completions if args.max_steps <= 0 else args.max_steps * 32} completions (32 per step; GKD 16 per "
+        "step, distilled from PPO's policy, no reward model); DPO and KTO "
         "see each training preference pair once (KTO as two unpaired rows). s/step: median seconds per logged step; "
         "wall time: each stage's own (stages run side by side, so they add up to more than the total).\n\n")
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731

@@ -46,6 +46,7 @@ from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, ROOT, SAMPLES_PER_STEP
 METHODS = POLICIES[1:]
 # each method's KL strength: the flag, read from the script's own default
 KL_FLAGS = {"dpo": "beta", "kto": "beta", "grpo": "beta", "rloo": "kl_coef", "online_dpo": "beta", "ppo": "kl_coef"}
+FRONTIER = list(KL_FLAGS)  # the methods with a KL strength (not GKD: a divergence to its teacher is its whole loss)
 UNPAIRED_ROWS = {"dpo": 1, "kto": 2}  # training rows per preference pair (KTO: chosen and rejected apart)
 
 
@@ -104,9 +105,9 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
     the runs in `frontier_dirs` {scale: dir} and their checkpoints; returns the tables' path."""
     start = read_eval(seed_dir, ["sft"])  # the SFT model (KL 0) and the oracle
     # finals: [(kl, gold, win, scale)]; paths: {scale: [(step, kl, gold)]}
-    finals, paths = {m: [] for m in METHODS}, {m: {} for m in METHODS}
+    finals, paths = {m: [] for m in FRONTIER}, {m: {} for m in FRONTIER}
     for x, run_dir in frontier_dirs.items():
-        for m in METHODS:
+        for m in FRONTIER:
             e = read_eval(run_dir, [m])[m]
             finals[m].append((e["kl"], e["gold_score"], e["win_rate"], x))
             saved = [(c["step"], c["kl"], c["gold_score"]) for c in e["along_training"]]
@@ -118,27 +119,27 @@ def frontier_report(args: StudyArgs, fs: int, frontier_dirs: dict, seed_dir: str
              f"{' --frontier_only' if not main_runs else ''}` on {os.cpu_count()} CPU cores (the whole command: "
              f"{total / 60:.0f} minutes, {args.jobs} stages at a time, {args.threads} thread each). Seed {fs}'s SFT "
              f"and reward model; each method's KL strength times {', '.join(f'{x:g}' for x in scales)} (defaults: "
-             + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in METHODS)
+             + ", ".join(f"{m} {KL_FLAGS[m]} {default_kl(m):g}" for m in FRONTIER)
              + "), a checkpoint every fifth of its steps. Each checkpoint is evaluated as the finished policies are: "
              "KL(pi || SFT) per summary in nats "
              f"(temperature-1 samples of the first {args.kl_prompts} test prompts) and the gold score of the greedy "
              f"summaries of the first {args.eval_prompts} (SFT: {start['sft']['gold_score']:.2f}, oracle "
              f"{start['oracle']['gold_score']:.2f}).", "", "Final models: KL / gold score / win rate.", "",
              "| method | " + " | ".join(f"x{x:g}" for x in scales) + " |", "|---|" + "---|" * len(scales)]
-    for m in METHODS:
+    for m in FRONTIER:
         lines.append(f"| {STAGES[m][2]} | " + " | ".join(f"{kl:.2f} / {g:.2f} / {w:.1%}" for kl, g, w, _ in finals[m])
                      + " |")
     lines += ["", "Along training, step: KL / gold score (step 0 is the SFT model; end: the final model, where "
               "the last checkpoint is not it):", "", "| method | x | path |", "|---|---|---|"]
-    for m in METHODS:
+    for m in FRONTIER:
         for x in scales:
             lines.append(f"| {STAGES[m][2]} | {x:g} | "
                          + " → ".join(f"{step}: {kl:.2f} / {g:.2f}" for step, kl, g in paths[m][x]) + " |")
     if main_runs:  # the x1 runs have the main runs' arguments (and checkpoints): the same final models
-        same = [m for m in METHODS if read_eval(frontier_dirs[1.0], [m])[m] | {"along_training": None}
+        same = [m for m in FRONTIER if read_eval(frontier_dirs[1.0], [m])[m] | {"along_training": None}
                 == read_eval(seed_dir, [m])[m] | {"along_training": None}]
         lines += ["", f"The x1 runs repeat seed {fs}'s main runs: identical evaluations for {len(same)} of "
-                  f"{len(METHODS)} methods ({', '.join(same) or 'none'})."]
+                  f"{len(FRONTIER)} methods ({', '.join(same) or 'none'})."]
     stem = os.path.splitext(args.results)[0] + "_frontier"
     lines += ["", f"Figure: `{os.path.basename(stem)}.png`."]
     plots.frontier(paths, start["sft"]["gold_score"], start["oracle"]["gold_score"], stem + ".png")
@@ -190,7 +191,7 @@ def main(args: StudyArgs):
     frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs])
                      for x in sorted({1.0, *args.kl_scales})}
     for x, run_dir in frontier_dirs.items():
-        for m in METHODS:
+        for m in FRONTIER:
             every = max(1, (steps[m] if args.max_steps <= 0 else args.max_steps) // 5)
             flags = ("--" + KL_FLAGS[m], f"{default_kl(m) * x:g}", "--save_steps", str(every),
                      "--save_total_limit", "5")

@@ -217,6 +217,16 @@ MUTATIONS = [
      "grpo: the staleness weight inverted (pi_behaviour / pi_old)", [ASYNC_VERSIONS]),
     ("common/rollouts.py", "if version - drawn_by <= self.k:", "if version - drawn_by <= self.k + 1:",
      "async: a batch one version too old kept", [ASYNC_DROP]),
+    # on-policy distillation (issue 43)
+    ("algos/gkd.py", "return (p.exp() * (p - q)).sum(-1)  # KL(P || Q)", "return (q.exp() * (q - p)).sum(-1)",
+     "gkd: beta 0 takes the reverse KL", ["tests/test_gkd.py::test_divergence_against_its_definition"]),
+    ("algos/gkd.py", "return (per_token * mask).sum() / num_tokens, per_token.detach()",
+     "return (per_token * mask).sum() / mask.sum(), per_token.detach()",
+     "gkd: the loss averaged per micro-batch, not over the step's tokens",
+     ["tests/test_gkd.py::test_loss_sums_the_masked_tokens_over_the_step_token_count"]),
+    ("algos/gkd.py", "return shifted_logits(model, input_ids, attention_mask, prompt_ids.shape[1] - 1)",
+     "return shifted_logits(model, input_ids, attention_mask, prompt_ids.shape[1])",
+     "gkd: the logits read one position late", ["tests/test_gkd.py::test_completion_logits_are_each_rows_own"]),
 ]
 
 

@@ -137,12 +137,12 @@ def test_a_server_that_never_comes_up_is_one_clear_error():
 # ---------------------------------------------------------------------------------------------
 # The bad-input sweep: every script, every kind of bad input, one UserError (no model trains)
 # ---------------------------------------------------------------------------------------------
-SCRIPTS = ["sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo"]
-OFFLINE, ONLINE = SCRIPTS[:4], SCRIPTS[4:]
+SCRIPTS = ["sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo", "gkd"]
+OFFLINE, ONLINE = SCRIPTS[:4], SCRIPTS[4:8]  # gkd: prompt-completion rows, half of them sampled
 PROMPT = "TITLE: a\n\nTL;DR:"
 GOOD_ROWS = {"sft": [{"prompt": PROMPT, "completion": " b"}] * 4,
              **{s: [{"prompt": PROMPT, "chosen": " b", "rejected": " c"}] * 4 for s in ("reward", "dpo", "kto")},
-             **{s: [{"prompt": PROMPT}] * 4 for s in ONLINE}}
+             **{s: [{"prompt": PROMPT}] * 4 for s in ONLINE}, "gkd": [{"prompt": PROMPT, "completion": " b"}] * 4}
 REWARD = ["tests.toy_rewards:short"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -150,7 +150,8 @@ SCRIPT_ARGS = {**{s: dict(dataset_test_split="") for s in OFFLINE},
                "grpo": dict(reward_model_paths=[], reward_funcs=REWARD, num_generations=2, max_completion_length=4),
                "rloo": dict(reward_model_paths=[], reward_funcs=REWARD, rloo_k=2, max_completion_length=4),
                "online_dpo": dict(reward_model_paths=[], reward_funcs=REWARD, max_new_tokens=4),
-               "ppo": dict(reward_model_path="<one_label>", response_length=4)}
+               "ppo": dict(reward_model_path="<one_label>", response_length=4),
+               "gkd": dict(teacher_model_name_or_path="<causal_lm>", max_new_tokens=4, lmbda=0.5)}
 
 
 def renamed(old, new):
@@ -174,6 +175,8 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("kto", "columns", renamed("chosen", "response"), {}, r"missing completion, label\); preference .*missing chosen"),
     *[(s, "columns", renamed("prompt", "question"), {}, r"columns \[question\].*prompt-only \(prompt: missing prompt\)")
       for s in ONLINE],
+    ("gkd", "columns", renamed("completion", "response"), {}, r"--lmbda 0.5 trains 50% of prompts on the dataset's "
+     "completions, but '.*' has no completion column"),
     # 2. an empty split
     *[(s, "empty", lambda rows: [], {}, "has an empty split") for s in SCRIPTS],
     # 3. text fields that are neither strings nor lists of messages
@@ -189,12 +192,13 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("rloo", "types", setting("prompt", None, row=2), {}, "has null in column 'prompt' at row 2"),
     ("online_dpo", "types", setting("prompt", ["a"]), {}, "has list .* in column 'prompt' at row 0"),
     ("ppo", "types", setting("prompt", {"text": "a"}), {}, "has dict .* in column 'prompt' at row 0"),
+    ("gkd", "types", setting("completion", 5, row=3), {}, "has int '5' in column 'completion' at row 3"),
     # 4. every prompt longer than the length limit (sft, dpo: above; the online scripts keep a prompt's end)
     ("reward", "too_long", None, dict(max_length=3), "no training pair left: 4 longer than max_length=3"),
     ("kto", "too_long", None, dict(max_length=3), "8 prompt leaves no room under max_length=3"),
     # 5. conversations, but a tokenizer has no chat template: the error names its role and path
-    *[(s, "chat", conversational, {}, "conversational .* but the " + ("reward model" if s == "reward" else "policy")
-       + "'s tokenizer '.*tiny-pythia' has no chat template") for s in SCRIPTS],
+    *[(s, "chat", conversational, {}, "conversational .* but the " + {"reward": "reward model", "gkd": "student"}.get(
+        s, "policy") + "'s tokenizer '.*tiny-pythia' has no chat template") for s in SCRIPTS],
     *[(s, "rm_chat", conversational, dict(model_name_or_path="<chat_lm>", reward_model_paths=["<one_label>"]),
        "conversational .* but the reward model 1's tokenizer '.*one_label' has no chat template")
       for s in ("grpo", "rloo", "online_dpo")],
@@ -222,13 +226,13 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "make no full batch of 4")
       for s in OFFLINE],
     *[(s, "batch", lambda rows: rows[:1], dict(per_device_train_batch_size=4), "1 prompts make no full batch of")
-      for s in ONLINE],
+      for s in [*ONLINE, "gkd"]],
     # 9. sizes, counts and rates that must be positive, and online sampling at temperature 0
     *[(s, "batch0", None, dict(per_device_train_batch_size=0), "--per_device_train_batch_size must be "
        + (">= 2" if s == "kto" else r"> 0 \(got 0\)")) for s in SCRIPTS],
     *[(s, "lr", None, dict(learning_rate=-1.0), r"--learning_rate must be > 0 \(got -1.0\)") for s in SCRIPTS],
     *[(s, "temperature", None, dict(temperature=0.0), r"--temperature must be > 0 \(got 0.0\); online RL samples")
-      for s in ONLINE],
+      for s in [*ONLINE, "gkd"]],
     *[(s, "sapo_tau", None, dict(sapo_temperature_neg=0.0), r"--sapo_temperature_neg must be > 0 \(got 0.0\)")
       for s in ("grpo", "rloo")],
     ("grpo", "entropy_quantile", None, dict(top_entropy_quantile=0.0), r"--top_entropy_quantile must be > 0"),
@@ -252,27 +256,42 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
      "could not load the reward model 2's tokenizer 'nowhere/rm'"),
     ("ppo", "path", None, dict(reward_model_path="nowhere/rm"),
      "could not load the reward model's tokenizer 'nowhere/rm'"),
+    ("gkd", "path", None, dict(teacher_model_name_or_path="nowhere/teacher"),
+     "could not load the teacher's tokenizer 'nowhere/teacher'"),
     # 13. a repetition penalty with the sampler correction: vLLM's logprobs include it, the trainer's do not
     *[(s, "penalty_and_correction", None, dict(use_vllm=True, vllm_importance_sampling_cap=2.0, repetition_penalty=1.1),
        "--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the penalty")
       for s in ("grpo", "rloo")],
+    # 14. distillation: a teacher with another vocabulary, divergence settings out of range, the token-reward
+    # variant off the student's own samples
+    ("gkd", "vocabulary", None, dict(teacher_model_name_or_path="<other_vocabulary>"),
+     r"the teacher '.*other_vocabulary' \(728 tokens\) and the student '.*tiny-pythia' \(727 tokens\) have "
+     "different vocabularies"),
+    ("gkd", "lmbda", None, dict(lmbda=1.5), r"--lmbda 1.5 and --beta 1.0 must lie in \[0, 1\]"),
+    ("gkd", "beta", None, dict(beta=-0.1), r"--lmbda 0.5 and --beta -0.1 must lie in \[0, 1\]"),
+    ("gkd", "token_reward", None, dict(loss_type="token_reward"), "needs --lmbda 1 and --temperature 1"),
 ]
 
 
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory, tiny_model):
     """<two_labels> / <one_label>: classifiers from the tiny model; <causal_lm>: the tiny model itself;
-    <chat_lm>: the tiny model with a chat template."""
+    <chat_lm>: the tiny model with a chat template; <other_vocabulary>: the tiny model, a token added to its
+    tokenizer."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     root = tmp_path_factory.mktemp("bad_models")
-    paths = {name: str(root / name) for name in ("two_labels", "one_label", "chat_lm")}
+    paths = {name: str(root / name) for name in ("two_labels", "one_label", "chat_lm", "other_vocabulary")}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for name, num_labels in (("two_labels", 2), ("one_label", 1)):
         model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=num_labels)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
     AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(paths["chat_lm"])
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(paths["other_vocabulary"])
+    other = AutoTokenizer.from_pretrained(tiny_model)
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(paths["other_vocabulary"])
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(paths["chat_lm"])
     return {**{f"<{name}>": path for name, path in paths.items()}, "<causal_lm>": tiny_model}

@@ -30,7 +30,7 @@ from common import checkpoint
 from common.checkpoint import Checkpointer
 from common.runtime import UserError
 from tests.conftest import ROOT, run_script
-from tests.test_multiprocess import CASES
+from tests.test_multiprocess import CASES, model_flags
 
 # the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
 TIMING_METRICS = ("time", "steps_per_second", "eps", "vllm/push_seconds", "async/trainer_wait_seconds",
@@ -44,12 +44,9 @@ def argv(script, out, models, *extra):
     if "--reward_funcs" in extra:  # extra's reward function replaces the case's
         i = flags.index("--reward_funcs")
         flags = flags[:i] + flags[i + 2:]
-    model = [] if script == "sft" else ["--model_name_or_path", sft_model]
-    if script == "ppo":
-        model += ["--reward_model_path", rm_model]
     quiet = ["--dataset_test_split", ""] if script in ("sft", "reward") else []  # no evaluation passes
     return [f"algos/{script}.py", "--max_steps", str(STEPS), "--logging_steps", "1", "--run_name", "r", *quiet,
-            *model, *flags, "--output_dir", str(out), *extra]
+            *model_flags(script, sft_model, rm_model), *flags, "--output_dir", str(out), *extra]
 
 
 def records(out):

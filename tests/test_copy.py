@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import ROOT
 
-SCRIPTS = ["sft", "reward", "dpo", "kto", "online_dpo", "rloo", "grpo", "ppo"]
+SCRIPTS = ["sft", "reward", "dpo", "kto", "online_dpo", "rloo", "grpo", "ppo", "gkd"]
 OWN_TREE_FIRST = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 

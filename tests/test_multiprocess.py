@@ -14,6 +14,7 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
+from benchmarks import tiny_tldr
 from tests.conftest import run_script
 from tests.test_sft import read_log
 
@@ -31,6 +32,9 @@ CASES = {  # script: (flags, logged losses to compare); per-device batch sizes f
                     "--reward_funcs", "tests.toy_rewards:short"], ["loss", "objective/kl"]),
     "ppo": (["--per_device_train_batch_size", "2", "--num_mini_batches", "2", "--response_length", "8",
              "--local_rollout_forward_batch_size", "4"], ["loss/policy_avg", "loss/value_avg", "objective/kl"]),
+    # half the prompts sampled by the student, half the dataset's completions; the teacher: the tiny base model
+    "gkd": (["--per_device_train_batch_size", "4", "--max_new_tokens", "8", "--lmbda", "0.5", "--beta", "0.5"],
+            ["loss", "objective/kl"]),
 }
 # reward: its pairwise loss does not change when every score shifts alike (the final layer norm's bias, the
 # attention key biases), so the gradient along such a shift is float noise, which Adam turns into steps of
@@ -44,6 +48,8 @@ QUIET = {"sft": ["--num_sample_generations", "0"], "reward": ["--num_sample_pair
 
 def model_flags(script, sft_model, rm_model):
     flags = [] if script == "sft" else ["--model_name_or_path", sft_model]
+    if script == "gkd":  # the SFT model distilled from the tiny base model: they differ, so the loss is not 0
+        flags += ["--teacher_model_name_or_path", tiny_tldr.TINY_MODEL]
     return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
 
 

@@ -137,7 +137,7 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
     study = launched(monkeypatch, study_tiny_tldr, study_tiny_tldr.StudyArgs,
                      ["--output_dir", str(tmp_path / "study"), "--results", str(tmp_path / "study.md"), *quick])
     main_chain, study_chain = chain(main, str(tmp_path / "main")), chain(study, str(tmp_path / "study" / "seed_1"))
-    assert len(main_chain) == len(main) == 15  # 8 training stages and 7 evaluations
+    assert len(main_chain) == len(main) == 17  # 9 training stages and 8 evaluations
     assert {os.path.relpath(cmd[1], run_tiny_tldr.ROOT) for cmd, _ in main_chain} == {
         *(f"algos/{name}.py" for name in run_tiny_tldr.STAGES), "benchmarks/tiny_tldr_eval.py"}
     assert all(env["OMP_NUM_THREADS"] == "1" for _, env in main_chain)
@@ -153,7 +153,7 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
     run_script("benchmarks/run_tiny_tldr.py", "--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8",
                "--track", "--output_dir", str(tmp_path / "out"), "--results", str(results))
     lines = results.read_text().splitlines()
-    for title in ("SFT", "DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO"):
+    for title in ("SFT", "DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO", "GKD"):
         row = next(line for line in lines if line.startswith(f"| {title}"))
         cells = row.split("|")[2:-1]
         # win rate, gold score, RM score, KL, length, s/step, wall time
@@ -165,15 +165,15 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
         assert (tmp_path / "results" / f"tiny_tldr_{name}.png").stat().st_size > 10000
     # every training stage got --track and --overwrite_output_dir
     stage_args = [json.load(open(p)) for p in glob.glob(str(tmp_path / "out" / "*" / "logs" / "*.args.json"))]
-    assert len(stage_args) == 8 and all(a["track"] and a["overwrite_output_dir"] for a in stage_args)
+    assert len(stage_args) == 9 and all(a["track"] and a["overwrite_output_dir"] for a in stage_args)
     # every policy was evaluated, next to the oracle
     evals = {p: json.load(open(tmp_path / "out" / "eval" / f"{p}.json")) for p in
-             ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo")}
+             ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo", "gkd")}
     assert all(set(e) == {p, "oracle"} for p, e in evals.items())
     assert evals["sft"]["oracle"]["gold_score"] == 6
     # the table's numbers are the evaluation's and the logs' (recomputed here from the files)
     titles = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "grpo": "GRPO", "rloo": "RLOO", "online_dpo": "Online DPO",
-              "ppo": "PPO"}
+              "ppo": "PPO", "gkd": "GKD"}
     for policy, title in titles.items():
         e = evals[policy][policy]
         cells = [c.strip() for c in next(line for line in lines if line.startswith(f"| {title}")).split("|")[2:-1]]
@@ -205,7 +205,7 @@ def test_quick_study_writes_its_sections_and_figures(tmp_path):
     assert re.search(r"^\| GRPO \| 4 \| 0: 0\.00 / -?[\d.]+ → 1: -?[\d.]+ / -?[\d.]+ → 2: ", frontier, re.M)
     # the x1 runs are the main runs again, with checkpoints: the same final models
     assert "identical evaluations for 6 of 6 methods" in frontier
-    for method in ("DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO"):
+    for method in ("DPO", "KTO", "GRPO", "RLOO", "Online DPO", "PPO", "GKD"):
         assert re.search(rf"^\| {method} \| [\d.]+% ± [\d.]+% \| [\d.]+% ± [\d.]+% \|", text, re.M), method
     for name in ("frontier", "overoptimisation", "win_rate", "sample_efficiency"):
         assert (tmp_path / "results" / f"study_{name}.png").stat().st_size > 10000
