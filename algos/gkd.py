@@ -25,8 +25,10 @@ Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
   states visited; `--temperature` only explores (it decides which states). Supervised KD's softening temperature
   (Hinton et al. 2015) is another knob, left out.
 - No sampling from the teacher (TRL's seq_kd): off-policy rows use the dataset, which needs no teacher generate.
-- Memory: the divergence is taken a chunk of positions at a time in fp32 and recomputed in backward, so no fp32
-  copy of either [B, T, V] logit tensor exists (at a 150k vocabulary x 1024 positions a pair is 1.2 GB).
+- Memory: the divergence and its gradient (written out in `_Divergence`) are taken a chunk of positions at a time
+  in fp32, so no fp32 copy of either [B, T, V] logit tensor exists (at a 150k vocabulary x 2 x 1024 positions a pair
+  is 2.5 GB) and the student's gradient is one tensor of its logits' dtype (benchmarks/results/memory.md: 0.67x
+  both logits above them; TRL's whole-tensor loss 7.5x).
 
     python algos/gkd.py    # tiny TL;DR: the SFT student distilled from output/ppo
     accelerate launch algos/gkd.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
@@ -44,7 +46,6 @@ from typing import Literal
 
 import torch
 import tyro
-from torch.utils.checkpoint import checkpoint
 from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
@@ -217,13 +218,46 @@ def _divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta
 def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
                      elements: int = 2**21) -> torch.Tensor:
     """D_beta (module docstring) at every position ([B, T, V] x 2 -> [B, T]), a chunk of about `elements` logits
-    at a time, recomputed in backward (torch.utils.checkpoint): fp32 copies exist of one chunk of each only."""
-    vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])  # a model's head may be padded past its tokens
-    s, t = student_logits[..., :vocab].flatten(0, -2), teacher_logits[..., :vocab].flatten(0, -2)
-    size = max(1, elements // vocab)
-    out = [checkpoint(_divergence, s[i:i + size], t[i:i + size], beta, use_reentrant=False)
-           for i in range(0, len(s), size)]
-    return torch.cat(out).view(student_logits.shape[:-1])
+    at a time; the student's gradient is written chunk by chunk into one tensor of its logits' dtype, so fp32
+    copies exist of one chunk of each only (the teacher's logits get no gradient: it is frozen)."""
+    return _Divergence.apply(student_logits, teacher_logits.detach(), beta, elements)
+
+
+class _Divergence(torch.autograd.Function):
+    """The gradient: with g = dD/dQ = log(Q / M) / beta (the P / M and the 1 cancel; beta 1: M = P, g = log Q - log
+    P), through the softmax dD/dz = Q (g - sum_v Q g); at beta 0 it is Q - P (the limit: g = 1 - P / Q)."""
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, beta, elements):
+        # a model's head may be padded past its tokens (Qwen2.5 0.5B and 7B: 151936 and 152064)
+        vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
+        s, t = student_logits.flatten(0, -2), teacher_logits.flatten(0, -2)  # views of contiguous logits
+        out = torch.empty(len(s), dtype=torch.promote_types(s.dtype, torch.float32), device=s.device)
+        size = max(1, elements // vocab)
+        for i in range(0, len(s), size):
+            out[i:i + size] = _divergence(s[i:i + size, :vocab], t[i:i + size, :vocab], beta)
+        ctx.save_for_backward(student_logits, teacher_logits)
+        ctx.beta, ctx.vocab, ctx.size = beta, vocab, size
+        return out.view(student_logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        student_logits, teacher_logits = ctx.saved_tensors
+        s, t, grad = student_logits.flatten(0, -2), teacher_logits.flatten(0, -2), grad.flatten()
+        beta, vocab, size = ctx.beta, ctx.vocab, ctx.size
+        out = torch.zeros_like(s)  # 0 for a padded head's columns
+        for i in range(0, len(s), size):
+            dtype = torch.promote_types(s.dtype, torch.float32)  # fp32 at least, as the forward
+            q = torch.log_softmax(s[i:i + size, :vocab].to(dtype), dim=-1)
+            p = torch.log_softmax(t[i:i + size, :vocab].to(dtype), dim=-1)
+            if beta == 0:
+                d = q.exp() - p.exp()
+            else:
+                log_m = p if beta == 1 else torch.logaddexp(p + math.log(beta), q + math.log(1 - beta))
+                g, probs = (q - log_m) / beta, q.exp()
+                d = probs * (g - (probs * g).sum(-1, keepdim=True))
+            out[i:i + size, :vocab] = d * grad[i:i + size, None]
+        return out.view(student_logits.shape), None, None, None
 
 
 def gkd_loss(student_logits, teacher_logits, completion_ids, mask, *, beta: float, loss_type: str,

@@ -227,6 +227,8 @@ MUTATIONS = [
     ("algos/gkd.py", "return shifted_logits(model, input_ids, attention_mask, prompt_ids.shape[1] - 1)",
      "return shifted_logits(model, input_ids, attention_mask, prompt_ids.shape[1])",
      "gkd: the logits read one position late", ["tests/test_gkd.py::test_completion_logits_are_each_rows_own"]),
+    ("algos/gkd.py", "g, probs = (q - log_m) / beta, q.exp()", "g, probs = q - log_m, q.exp()",
+     "gkd: the gradient without its 1 / beta", ["tests/test_gkd.py::test_divergence_gradient"]),
 ]
 
 

@@ -88,8 +88,12 @@ def test_chunks_give_the_values_and_gradients_of_one_pass():
 
 def test_a_padded_head_is_cut_to_the_shorter_vocabulary():
     """Two sizes of one family share a tokenizer but not always a head size (Qwen2.5: 151936 and 152064)."""
-    d, _ = divergence(0.5, STUDENT + [9.0], TEACHER)
+    d, s = divergence(0.5, STUDENT + [9.0], TEACHER)
     assert d.item() == pytest.approx(expected(0.5), rel=1e-12)
+    d.backward()
+    d, unpadded = divergence(0.5)
+    d.backward()
+    assert s.grad[0, 0].tolist() == pytest.approx(unpadded.grad[0, 0].tolist() + [0.0], abs=1e-12)
 
 
 def test_loss_sums_the_masked_tokens_over_the_step_token_count():

