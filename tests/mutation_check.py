@@ -229,6 +229,10 @@ MUTATIONS = [
      "gkd: the logits read one position late", ["tests/test_gkd.py::test_completion_logits_are_each_rows_own"]),
     ("algos/gkd.py", "g, probs = (q - log_m) / beta, q.exp()", "g, probs = q - log_m, q.exp()",
      "gkd: the gradient without its 1 / beta", ["tests/test_gkd.py::test_divergence_gradient"]),
+    ("algos/gkd.py", "student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask)",
+     "student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask) / args.temperature",
+     "gkd: the student's logits at the sampling temperature",
+     ["tests/test_gkd.py::test_the_divergence_gets_the_models_own_logits_whatever_the_sampling_temperature"]),
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 from algos import gkd
 from common.models import load_policy
 from tests.conftest import run_script
+from tests.test_bad_input import CHAT_TEMPLATE, PROMPT, write_jsonl
 from tests.test_per_token_passes import COMPLETIONS, PROMPTS, own_logits, perturbed
 
 STUDENT = [0.5, -1.0, 2.0]  # logits over a 3-token vocabulary
@@ -160,3 +161,50 @@ def test_teacher_equal_to_the_student_gives_loss_zero_and_a_loadable_model(tmp_p
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_the_divergence_gets_the_models_own_logits_whatever_the_sampling_temperature(tmp_path, tiny_model, tokenizer,
+                                                                                      monkeypatch):
+    """--temperature only decides which completions are sampled (module docstring): the loss receives the very
+    logits of the student's and the teacher's forward (test_completion_logits_are_each_rows_own: at temperature
+    1); a division by the temperature between the two would make new tensors."""
+    teacher = str(tmp_path / "teacher")
+    perturbed(load_policy(tiny_model, tokenizer)).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    forwards, losses = [], []
+    forward, loss = gkd.completion_logits, gkd.gkd_loss
+    monkeypatch.setattr(gkd, "completion_logits", lambda *a: forwards.append(forward(*a)) or forwards[-1])
+    monkeypatch.setattr(gkd, "gkd_loss", lambda s, t, *a, **k: losses.append((s, t)) or loss(s, t, *a, **k))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT, "completion": " b"}] * 4)
+    gkd.main(gkd.Args(model_name_or_path=tiny_model, teacher_model_name_or_path=teacher, dataset_name=data,
+                      temperature=0.5, max_new_tokens=6, max_steps=1, per_device_train_batch_size=4,
+                      output_dir=str(tmp_path / "out")))
+    assert len(forwards) == 2 and losses[0][0] is forwards[0] and losses[0][1] is forwards[1]
+
+
+def test_conversational_rows_are_the_chat_templates_text(tmp_path, tiny_model, monkeypatch):
+    """lmbda 0 (supervised KD) on conversational prompt-completion rows: each completion the loss sees is the
+    row's assistant turn as the chat template writes it, ending in one EOS (common.data.encode_completion), not
+    the text of a list of messages."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.data import encode_completion
+
+    chat = str(tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat)
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(chat)
+    rows = [{"prompt": [{"role": "user", "content": f"post {i}"}],
+             "completion": [{"role": "assistant", "content": f"sum {i}"}]} for i in range(4)]
+    seen, loss = [], gkd.gkd_loss
+    monkeypatch.setattr(gkd, "gkd_loss", lambda s, t, ids, mask, **k: seen.append((ids, mask)) or loss(s, t, ids, mask,
+                                                                                                         **k))
+    gkd.main(gkd.Args(model_name_or_path=chat, teacher_model_name_or_path=chat, lmbda=0.0, max_new_tokens=12,
+                      dataset_name=write_jsonl(tmp_path / "d.jsonl", rows), max_steps=1,
+                      per_device_train_batch_size=4, output_dir=str(tmp_path / "out")))
+    [(ids, mask)] = seen
+    got = sorted(row[m.bool()].tolist() for row, m in zip(ids, mask))
+    want = sorted(encode_completion(tokenizer, r["prompt"], r["completion"]) for r in rows)
+    assert got == want  # the assistant turn after the template's "assistant:", then EOS
+    assert [tokenizer.decode(w) for w in got] == [f" sum {i}{tokenizer.eos_token}" for i in range(4)]
