@@ -91,10 +91,10 @@ class Args:
 
 
 def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, steps: int | None = None,
-               extra: tuple[str, ...] = ()) -> list[str]:
+               extra: tuple[str, ...] = (), teacher: str | None = None) -> list[str]:
     """Command line of one stage: its output in <run_dir>/<name>, starting from <run_dir>/sft (and
-    <run_dir>/reward); `steps` (default: the online budget, or the script's own epochs) and `extra`
-    flags as given (the study's half budgets and KL sweeps)."""
+    <run_dir>/reward; GKD's teacher: `teacher`, default <run_dir>/ppo); `steps` (default: the online budget,
+    or the script's own epochs) and `extra` flags as given (the study's half budgets and KL sweeps)."""
     out = lambda stage_name: os.path.join(run_dir, stage_name)  # noqa: E731
     argv = [STAGES[name][0], "--seed", str(seed), "--output_dir", out(name), "--run_name", run_name,
             "--overwrite_output_dir", *extra]
@@ -105,7 +105,7 @@ def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, st
     argv += ["--model_name_or_path", tiny_tldr.TINY_MODEL if name == "sft" else out("sft"), "--dataset_name",
              tiny_tldr.TINY_PREFERENCE_DATA if name in ("reward", "dpo", "kto") else tiny_tldr.TINY_SFT_DATA]
     if name == "gkd":
-        argv += ["--teacher_model_name_or_path", out("ppo")]
+        argv += ["--teacher_model_name_or_path", teacher or out("ppo")]
     if name in ("grpo", "rloo", "online_dpo", "ppo"):  # the gold judge, logged (weight 0), not optimised
         argv += ["--reward_model_path" + ("" if name == "ppo" else "s"), out("reward"),
                  "--reward_funcs", "benchmarks.tiny_tldr:gold_reward", "--reward_weights", "1", "0"]

@@ -182,7 +182,9 @@ def main(args: StudyArgs):
     for seed, run_dir in half_dirs.items():
         for m in METHODS:
             needs = [(seed, n) for n in STAGES[m][1]]
-            stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m]),
+            # GKD at half its budget, from the same teacher: the seed's PPO at its full budget
+            stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m],
+                                                  teacher=os.path.join(seed_dirs[seed], "ppo")),
                                        needs, os.path.join(run_dir, "logs", f"{m}.log"))
             stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args,
                                                                    [(seed, "reward"), ("half", seed, m)])

@@ -145,6 +145,11 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
         assert study_cmd == main_cmd
         assert study_env == main_env, {k: (main_env.get(k), study_env.get(k)) for k in {*main_env, *study_env}
                                        if main_env.get(k) != study_env.get(k)}
+    # GKD at half its budget distils from the seed's full-budget PPO, not from the half-budget PPO beside it
+    for seed in (1, 2, 3):
+        [half_gkd] = [cmd for cmd, _ in study if f"gkd__half{seed}__" in " ".join(cmd)]
+        teacher = half_gkd[half_gkd.index("--teacher_model_name_or_path") + 1]
+        assert teacher == str(tmp_path / "study" / f"seed_{seed}" / "ppo"), teacher
 
 
 @pytest.mark.slow
