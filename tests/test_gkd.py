@@ -208,3 +208,21 @@ def test_conversational_rows_are_the_chat_templates_text(tmp_path, tiny_model, m
     want = sorted(encode_completion(tokenizer, r["prompt"], r["completion"]) for r in rows)
     assert got == want  # the assistant turn after the template's "assistant:", then EOS
     assert [tokenizer.decode(w) for w in got] == [f" sum {i}{tokenizer.eos_token}" for i in range(4)]
+
+
+def test_token_reward_runs_on_the_students_samples(tmp_path, tiny_model, tokenizer):
+    """The --loss_type token_reward path end to end (one step): its loss is sum_t k_t log Q(y_t) over the step's
+    tokens, with k_t = log Q - log P; so loss / objective/kl (the mean of k) is the mean log Q weighted by k, a
+    finite number, and the step changes the student."""
+    from tests.test_sft import read_log
+
+    teacher = str(tmp_path / "teacher")
+    perturbed(load_policy(tiny_model, tokenizer)).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT}] * 4)
+    gkd.main(gkd.Args(model_name_or_path=tiny_model, teacher_model_name_or_path=teacher, dataset_name=data,
+                      loss_type="token_reward", max_new_tokens=6, max_steps=1, per_device_train_batch_size=4,
+                      learning_rate=1e-2, logging_steps=1, output_dir=str(tmp_path / "out")))
+    [row] = read_log(str(tmp_path / "out"))
+    assert row["on_policy_ratio"] == 1 and math.isfinite(row["loss"]) and row["objective/kl"] != 0
+    assert row["grad_norm"] > 0
