@@ -67,11 +67,13 @@ STAGES = {
     "online_dpo": ("online_dpo", "prompts", ("reward",), "rm"),
     "rloo_exact": ("rloo", "prompts", (), "exact"),
     "grpo_exact": ("grpo", "prompts", (), "exact"),
+    "gkd": ("gkd", "prompts", ("sft",), None),  # the start model distilled on-policy from the seed's SFT model
 }
 POLICIES = [name for name in STAGES if name != "reward"]
 TITLES = {"sft": "SFT (worked answers)", "dpo": "DPO (pairs)", "kto": "KTO (pairs, unpaired)",
           "online_dpo": "Online DPO (RM)", "rloo": "RLOO (RM)", "grpo": "GRPO (RM)", "ppo": "PPO (RM)",
-          "rloo_exact": "RLOO (exact reward)", "grpo_exact": "GRPO (exact reward)"}
+          "rloo_exact": "RLOO (exact reward)", "grpo_exact": "GRPO (exact reward)",
+          "gkd": "GKD (from SFT, on-policy)"}
 HELD_OUT = 300  # questions held out of training whatever --n_test is, so that the training set never changes with it
 
 
@@ -95,13 +97,14 @@ class Args:
     prompts, 1 seed: checks that every stage runs and the report is written"""
     # budgets
     steps: dict[str, int] = field(default_factory=lambda: {
-        "sft": 30, "reward": 20, "dpo": 20, "kto": 20, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15})
+        "sft": 30, "reward": 20, "dpo": 20, "kto": 20, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15,
+        "gkd": 15})
     """optimizer steps of each script (rollouts for rloo / ppo); grpo_exact and rloo_exact take grpo's and rloo's;
     sized so that the 2-seed study fits about 90 minutes on 2 cores (how it was estimated: docs/benchmarks.md,
     "Real-model study")"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 5e-6, "kto": 5e-6, "online_dpo": 5e-6, "rloo": 2e-5, "grpo": 2e-5,
-        "ppo": 1e-5})
+        "ppo": 1e-5, "gkd": 2e-5})
     """peak learning rates: README "Real models" for sft and reward; higher for the others, whose published
     rates are for thousands of steps, not tens (dpo, kto, online_dpo 5-10x; grpo and rloo 2e-5, at which
     benchmarks/arithmetic.py's 30 GRPO steps learned; ppo, whose value head starts from the reward model, 1e-5)"""
@@ -284,7 +287,9 @@ def script_flags(script: str, args: Args) -> list[str]:
             "grpo": ["--per_device_train_batch_size", str(completions), "--num_generations", str(min(8, completions)),
                      *online, "--max_completion_length", str(args.max_new_tokens)],
             "ppo": ["--per_device_train_batch_size", str(completions), "--num_ppo_epochs", "1", *online,
-                    "--response_length", str(args.max_new_tokens)]}[script]
+                    "--response_length", str(args.max_new_tokens)],
+            "gkd": ["--per_device_train_batch_size", str(completions), "--temperature", "0.7",
+                    "--max_new_tokens", str(args.max_new_tokens)]}[script]
 
 
 def stage_argv(name: str, seed: int, run_dir: str, args: Args) -> list[str]:
@@ -295,6 +300,8 @@ def stage_argv(name: str, seed: int, run_dir: str, args: Args) -> list[str]:
             "--max_steps", str(args.steps[script]), "--learning_rate", str(args.learning_rates[script]),
             *script_flags(script, args)]
     argv += ["--dataset_test_split", "test" if name == "reward" else ""] if data != "prompts" else []
+    if script == "gkd":
+        argv += ["--teacher_model_name_or_path", os.path.join(run_dir, "sft")]
     if reward == "rm":  # scored by this seed's reward model; the exact reward logged alongside (weight 0)
         argv += ["--reward_model_path" + ("" if script == "ppo" else "s"), os.path.join(run_dir, "reward"),
                  "--reward_funcs", EXACT, "--reward_weights", "1", "0"]

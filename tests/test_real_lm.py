@@ -26,6 +26,8 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
             assert sum("lr" in json.loads(line) for line in f) == 2, name
         assert (out / "seed_1" / name / "config.json").is_file(), name
     assert all((out / "seed_1" / name / "real_lm_eval.json").is_file() for name in real_lm.POLICIES)
+    argv = real_lm.stage_argv("gkd", 1, str(out / "seed_1"), real_lm.Args(quick=True))  # distils the seed's SFT model
+    assert argv[argv.index("--teacher_model_name_or_path") + 1] == str(out / "seed_1" / "sft")
     for name in ("sft", "dpo", "kto"):  # finite losses; the saved model loads, keeps pad == eos and was trained
         check_run(str(out / "seed_1" / name), smollm2)
 
