@@ -211,9 +211,9 @@ def test_conversational_rows_are_the_chat_templates_text(tmp_path, tiny_model, m
 
 
 def test_token_reward_runs_on_the_students_samples(tmp_path, tiny_model, tokenizer):
-    """The --loss_type token_reward path end to end (one step): its loss is sum_t k_t log Q(y_t) over the step's
-    tokens, with k_t = log Q - log P; so loss / objective/kl (the mean of k) is the mean log Q weighted by k, a
-    finite number, and the step changes the student."""
+    """The --loss_type token_reward path end to end (one step; its value and gradient are pinned by hand in
+    test_token_reward_gradient_is_the_reverse_kl_estimate_times_the_score): every completion sampled, a finite
+    loss, a nonzero reverse-KL estimate against the perturbed teacher, and a saved student the step moved."""
     from tests.test_sft import read_log
 
     teacher = str(tmp_path / "teacher")
@@ -226,3 +226,5 @@ def test_token_reward_runs_on_the_students_samples(tmp_path, tiny_model, tokeniz
     [row] = read_log(str(tmp_path / "out"))
     assert row["on_policy_ratio"] == 1 and math.isfinite(row["loss"]) and row["objective/kl"] != 0
     assert row["grad_norm"] > 0
+    start, trained = load_policy(tiny_model, tokenizer), load_policy(str(tmp_path / "out"), tokenizer)
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), trained.parameters()))
