@@ -94,7 +94,7 @@ def tiny(args: Args) -> list[dict]:
     for seed in args.seeds:
         for k in (0, 1):  # interleaved
             name = f"grpo_k{k}_seed{seed}"
-            argv = run_tiny_tldr.stage_argv("grpo", base, seed, name, chain, extra=("--max_staleness", str(k)))
+            argv = run_tiny_tldr.stage_argv("grpo", base, seed, name, chain, settings={"max_staleness": k})
             argv[argv.index("--output_dir") + 1] = os.path.join(base, name)
             wall = run(argv, os.path.join(base, "logs", f"{name}.log"))
             out = os.path.join(base, f"eval_{name}.json")

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import tyro
 
 from benchmarks import plots, tiny_tldr
-from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, ROOT, SAMPLES_PER_STEP, STAGES, Args, chain_stages,
-                                      evaluate_stage, fifths, read_eval, read_log, report, run_stages, stage_argv)
+from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, RECIPE, ROOT, SAMPLES_PER_STEP, STAGES, Args,
+                                      chain_stages, evaluate_stage, fifths, read_eval, read_log, report, run_stages,
+                                      stage_argv)
 
 METHODS = POLICIES[1:]
 # each method's KL strength: the flag, read from the script's own default
@@ -59,11 +60,14 @@ class StudyArgs(Args):
     kl_scales: list[float] = field(default_factory=lambda: [0.1, 10.0])
     """frontier: each method's default KL strength times these (besides 1, the main run)"""
     frontier_seed: int = 1
-    """seed whose SFT and reward models the frontier and over-optimisation runs start from"""
+    """seed whose whole chain runs: every other seed's methods, the frontier and the over-optimisation runs
+    start from its SFT and reward models"""
     overopt_pairs: int = 256
     """over-optimisation: preference pairs the small reward model is trained on (one pass)"""
-    overopt_completions: int = 7200
+    overopt_completions: int = 4800
     """over-optimisation: completions GRPO samples with beta 0 (3x the main budget)"""
+    slowdown: list[str] = field(default_factory=lambda: ["grpo", "dpo"])
+    """code-change check: these methods again with half their learning rate, every seed"""
     overopt_learning_rate: float = 1e-4
     """over-optimisation: GRPO's learning rate (its default is 3e-5)"""
     results: str = os.path.join(ROOT, "benchmarks", "results", "tiny_tldr_study.md")
@@ -74,9 +78,16 @@ class StudyArgs(Args):
     """write the tables and figures from a finished study in --output_dir without training anything"""
 
 
-def default_kl(method: str) -> float:
-    value = getattr(importlib.import_module(f"algos.{method}").Args(), KL_FLAGS[method])
+def default_value(method: str, flag: str) -> float:
+    """The benchmark's value of a method's flag: RECIPE's, else the script's own default."""
+    if flag in RECIPE.get(method, {}):
+        return RECIPE[method][flag]
+    value = getattr(importlib.import_module(f"algos.{method}").Args(), flag)
     return value[0] if isinstance(value, list) else value  # online DPO: a beta per epoch
+
+
+def default_kl(method: str) -> float:
+    return default_value(method, KL_FLAGS[method])
 
 
 def linked_dir(path: str, source: str) -> str:
@@ -166,9 +177,11 @@ def main(args: StudyArgs):
     fs = args.frontier_seed if args.frontier_seed in seed_dirs else args.seeds[0]
     stages = {}
 
-    # ---- 1. the chain of every seed ----
-    for seed, run_dir in seed_dirs.items():
-        chain_stages(run_dir, seed, run_name, args, stages)
+    made = lambda seed, name: (fs if name in ("sft", "reward") else seed, name)  # noqa: E731  (the stage that made it)
+
+    # ---- 1. the chain of every seed: the frontier seed's whole, the others' methods from its SFT and RM ----
+    for seed in sorted(seed_dirs, key=lambda s: s != fs):
+        chain_stages(seed_dirs[seed], seed, run_name, args, stages, start=None if seed == fs else fs)
     if args.frontier_only:  # only what the frontier starts from
         stages = {k: v for k, v in stages.items() if k in [(fs, "sft"), (fs, "reward"), (fs, "evaluate_sft")]}
 
@@ -181,13 +194,25 @@ def main(args: StudyArgs):
                  for s in (args.seeds if not args.frontier_only else ())}
     for seed, run_dir in half_dirs.items():
         for m in METHODS:
-            needs = [(seed, n) for n in STAGES[m][1]]
+            needs = [made(seed, n) for n in STAGES[m][1]]
             # GKD at half its budget, from the same teacher: the seed's PPO at its full budget
             stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m],
                                                   teacher=os.path.join(seed_dirs[seed], "ppo")),
                                        needs, os.path.join(run_dir, "logs", f"{m}.log"))
             stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args,
-                                                                   [(seed, "reward"), ("half", seed, m)])
+                                                                   [(fs, "reward"), ("half", seed, m)])
+
+    # ---- 2b. a code change that slows learning: methods at half their learning rate, every seed ----
+    slow_dirs = {s: linked_dir(os.path.join(out, "slow", f"seed_{s}"), seed_dirs[s])
+                 for s in (args.seeds if not args.frontier_only else ())}
+    for seed, run_dir in slow_dirs.items():
+        for m in args.slowdown:
+            lr = {"learning_rate": default_value(m, "learning_rate") / 2}
+            stages["slow", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"slow{seed}", m), args, settings=lr),
+                                       [made(seed, n) for n in STAGES[m][1]],
+                                       os.path.join(run_dir, "logs", f"{m}.log"))
+            stages["slow", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args,
+                                                                   [(fs, "reward"), ("slow", seed, m)])
 
     # ---- 3. the frontier: each method's KL strength scaled, a checkpoint every fifth of the steps ----
     frontier_dirs = {x: linked_dir(os.path.join(out, "frontier", f"x{x:g}"), seed_dirs[fs])
@@ -195,9 +220,8 @@ def main(args: StudyArgs):
     for x, run_dir in frontier_dirs.items():
         for m in FRONTIER:
             every = max(1, (steps[m] if args.max_steps <= 0 else args.max_steps) // 5)
-            flags = ("--" + KL_FLAGS[m], f"{default_kl(m) * x:g}", "--save_steps", str(every),
-                     "--save_total_limit", "5")
-            stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, extra=flags),
+            flags = {KL_FLAGS[m]: default_kl(m) * x, "save_steps": every, "save_total_limit": 5}
+            stages["frontier", x, m] = (stage_argv(m, run_dir, fs, run_name(f"x{x:g}", m), args, settings=flags),
                                         [(fs, n) for n in STAGES[m][1]], os.path.join(run_dir, "logs", f"{m}.log"))
             argv, needs, log = evaluate_stage(run_dir, m, args, [(fs, "reward"), ("frontier", x, m)])
             stages["frontier", x, f"evaluate_{m}"] = ([*argv, "--checkpoints"], needs, log)
@@ -215,7 +239,7 @@ def main(args: StudyArgs):
     for name, rm, needs in overopt_runs.values() if not args.frontier_only else ():
         argv = stage_argv("grpo", seed_dirs[fs], fs, run_name("overopt", name), args,
                           args.overopt_completions // SAMPLES_PER_STEP["grpo"],
-                          ("--beta", "0", "--learning_rate", f"{args.overopt_learning_rate:g}"))
+                          {"beta": 0.0, "learning_rate": args.overopt_learning_rate})
         argv[argv.index("--output_dir") + 1] = os.path.join(overopt_dir, name)
         argv[argv.index("--reward_model_paths") + 1] = rm
         stages["overopt", name] = (argv, [(fs, "sft"), *needs], os.path.join(overopt_dir, "logs", f"{name}.log"))
@@ -242,20 +266,34 @@ def main(args: StudyArgs):
     lines = ["", "## Resolving power", "",
              f"Each method with half its budget ({args.completions // 2} completions; DPO and KTO half the pairs: "
              f"{half_steps['dpo']} and {half_steps['kto']} steps), from the same seeds' SFT and reward models. "
-             "Resolved: the full-budget mean win rate exceeds the half-budget mean by more than 2 std of the "
-             "full-budget seeds.", "",
-             "| method | full budget | half budget | difference / std | resolved |", "|---|---|---|---|---|"]
+             "Resolved: the full-budget mean win rate less one std (over the seeds) is above the half-budget "
+             "mean plus one std.", "",
+             "| method | full budget | half budget | (full - std) - (half + std) | resolved |", "|---|---|---|---|---|"]
     resolved = 0
     for m in METHODS:
-        mean_f, std_f, mean_h = statistics.mean(full[m]), statistics.stdev(full[m]), statistics.mean(half[m])
-        ok = mean_f - mean_h > 2 * std_f
-        resolved += ok
-        lines.append(f"| {STAGES[m][2]} | {mean_f:.1%} ± {std_f:.1%} | {mean_h:.1%} ± {statistics.stdev(half[m]):.1%} "
-                     f"| {(mean_f - mean_h) / std_f if std_f else float('inf'):.1f} | {'yes' if ok else 'no'} |")
+        mean_f, std_f = statistics.mean(full[m]), statistics.stdev(full[m])
+        mean_h, std_h = statistics.mean(half[m]), statistics.stdev(half[m])
+        gap = (mean_f - std_f) - (mean_h + std_h)
+        resolved += gap > 0
+        lines.append(f"| {STAGES[m][2]} | {mean_f:.1%} ± {std_f:.1%} | {mean_h:.1%} ± {std_h:.1%} "
+                     f"| {100 * gap:+.1f} points | {'yes' if gap > 0 else 'no'} |")
     apart = [(a, b) for i, a in enumerate(METHODS) for b in METHODS[i + 1:] if not interval_overlaps(full[a], full[b])]
     lines += ["", f"Resolved: {resolved} of {len(METHODS)} methods. Pairs of methods whose mean ± std intervals "
               f"do not overlap ({len(apart)} of {len(METHODS) * (len(METHODS) - 1) // 2}): "
               + (", ".join(f"{STAGES[a][2]} / {STAGES[b][2]}" for a, b in apart) or "none") + "."]
+
+    slow = {m: [read_eval(d, [m])[m]["win_rate"] for d in slow_dirs.values()] for m in args.slowdown}
+    lines += ["", "## A code change that slows learning", "",
+              "Each method again with half its learning rate (one changed line), every seed, full budget. Moved: "
+              "the two means differ by more than the larger of the two std.", "",
+              "| method | as is | half the learning rate | difference | moved |", "|---|---|---|---|---|"]
+    for m in args.slowdown:
+        diff = statistics.mean(full[m]) - statistics.mean(slow[m])
+        std_a, std_b = statistics.stdev(full[m]), statistics.stdev(slow[m])
+        moved = abs(diff) > max(std_a, std_b)
+        lines.append(f"| {STAGES[m][2]} (lr {default_value(m, 'learning_rate'):g}) | {statistics.mean(full[m]):.1%} ± "
+                     f"{std_a:.1%} | {statistics.mean(slow[m]):.1%} ± {std_b:.1%} | {100 * diff:+.1f} points "
+                     f"| {'yes' if moved else 'no'} |")
 
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
     lines += ["", "## KL-reward frontier", "",
@@ -280,7 +318,7 @@ def main(args: StudyArgs):
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     with open(os.path.splitext(args.results)[0] + ".json", "w") as f:
-        json.dump({"seeds": numbers, "half": half, "seconds": total,
+        json.dump({"seeds": numbers, "half": half, "slow": slow, "seconds": total,
                    "overopt": {k: [{"episode": r["episode"], "reward": r["reward"], "gold": r[GOLD_KEY]}
                                    for r in v] for k, v in overopt.items()}}, f, indent=1, default=str)
 

@@ -40,10 +40,13 @@ SPLIT_SIZES = {"train": 4000, "validation": 512, "test": 512}
 DATA_SEED = 1234
 
 # ---------------------------------------------------------------------------------------------
-# The world the posts are written about. Each post has six key facts: who did what, when, how, how
-# the poster feels and what they ask. A post words some of them in one of several ways (a person is
-# "boyfriend" or "bf"); a summary may use any of them. A good TL;DR states all six, in at most
-# MAX_WORDS words, and nothing false.
+# The world the posts are written about. Each post tells one event in eight key facts: who did
+# what, when, where, how, what they said about it, how the poster feels and what they ask; and,
+# to mislead, another event (another person, action, time and place) "that is another story".
+# Its sentences come in a random order. A post words some facts in one of several ways (a person
+# is "boyfriend" or "bf"); a summary may use any of them. Eight facts do not fit in MAX_WORDS words
+# (a word beyond costs half a point, a fact gains one), so a good TL;DR chooses which to keep, and
+# states nothing false: the other event's facts count as wrong.
 # ---------------------------------------------------------------------------------------------
 WHO = {"boyfriend": ["boyfriend", "bf"], "girlfriend": ["girlfriend", "gf"], "roommate": ["roommate", "flatmate"],
        "boss": ["boss", "manager"], "mom": ["mom", "mother"], "dad": ["dad", "father"], "sister": ["sister"],
@@ -55,8 +58,12 @@ ACTIONS = ["forgot my birthday", "borrowed my car", "read my texts", "canceled o
            "missed our dinner", "ate my cake", "used my card"]
 WHEN = ["yesterday", "last week", "last night", "this morning", "two days ago", "last month", "on friday",
         "at christmas"]
+WHERE = ["at the gym", "at work", "at home", "at the mall", "at school", "on the bus", "at a wedding",
+         "in the car"]
 HOW = ["without asking", "in front of everyone", "for the second time", "on purpose", "while i was away",
        "after promising not to"]
+EXCUSES = ["they said sorry", "they said it was a joke", "they blamed me", "they laughed about it",
+           "they said nothing", "they said they were busy"]
 FEELINGS = {"angry": ["angry", "furious", "mad"], "sad": ["sad", "upset"], "confused": ["confused", "puzzled"],
             "hurt": ["hurt"], "anxious": ["anxious", "nervous"], "jealous": ["jealous"],
             "guilty": ["guilty", "ashamed"], "stressed": ["stressed", "overwhelmed"]}
@@ -68,21 +75,26 @@ FILLERS = ["this is not the first time it happened.", "we used to get along real
            "my friends say i should relax.", "i do not want to make it worse.",
            "it has been on my mind all day.", "any advice would help.",
            "i brought it up once.", "thanks for reading."]
-MAX_WORDS = 22  # the gold judge takes 0.3 per word beyond this
+OTHER_EVENT = "too, but that is another story."  # ends the distracting sentence
+MAX_WORDS = 22  # the gold judge takes 0.5 per word beyond this
+WORD_PENALTY = 0.5
 
-# Reference summaries: (weight, template). Humans write a few facts, rarely all six: the most common
-# opening ("my ...") leads to the 3-fact style, so greedy imitation of the references lands below most
-# of them, and a summary stating all six beats nearly all: there is headroom above them. The facts
-# beyond the first sentence of the post (how, the feeling, the ask) are the ones to learn.
+# Reference summaries: (weight, template). Humans state three to seven facts, often the event's
+# first sentence ("my ... when"): the most common style wins few comparisons, and a summary of the
+# facts that fit beats nearly all. The facts to learn are the ones beyond the event's own sentence
+# (how, what they said, the feeling, the ask), wherever the shuffled post puts them.
 REFERENCE_TEMPLATES = [
-    (0.30, "my {who} {action} {when}."),
-    (0.10, "my {who} {action}."),
-    (0.20, "my {who} {action} {when}, {ask}?"),
-    (0.20, "i feel {feeling} because my {who} {action} {how}. {ask}?"),
-    (0.15, "{when} my {who} {action} {how}, i am {feeling}."),
-    (0.05, "{when} my {who} {action} {how}. i feel {feeling}, {ask}?"),
+    (0.20, "my {who} {action} {when}."),
+    (0.10, "{when} my {who} {action} {where}, {ask}?"),
+    (0.15, "i feel {feeling} because my {who} {action} {how}. {ask}?"),
+    (0.10, "{when} my {who} {action} {where} {how}. i feel {feeling}."),
+    (0.10, "my {who} {action} {where}, {excuse}. {ask}?"),
+    (0.20, "{when} my {who} {action} {how}, {excuse}. i feel {feeling}, {ask}?"),
+    (0.15, "{when} my {who} {action} {where} {how}. i feel {feeling}, {ask}?"),
 ]
-ORACLE_TEMPLATE = "{when} my {who} {action} {how}. i feel {feeling}, {ask}?"  # all six facts, <= MAX_WORDS words
+# The oracle's order of the facts; it keeps the subset of them that the gold judge scores highest.
+ORACLE_PARTS = [("when", "{when} "), (None, "my {who} {action}"), ("where", " {where}"), ("how", " {how}"),
+                ("excuse", ", {excuse}"), ("feeling", ". i feel {feeling}"), ("ask", ", {ask}?")]
 # Words a summary may use without finding them in the post (glue around the facts).
 GLUE_WORDS = set("my i and the a feel am so because but after about it them they is".split()) | {",", ".", "?"}
 # The labellers of the preference pairs are human-like: they like confident-sounding openers, which
@@ -94,27 +106,33 @@ LABELLER_BIAS = {"confident": 1.0, "per_word": 0.08}
 
 def _slots():
     return {"who": WHO, "action": {a: [a] for a in ACTIONS}, "when": {w: [w] for w in WHEN},
-            "how": {h: [h] for h in HOW}, "feeling": FEELINGS, "ask": {a: [a] for a in ASKS}}
+            "where": {w: [w] for w in WHERE}, "how": {h: [h] for h in HOW},
+            "excuse": {e: [e] for e in EXCUSES}, "feeling": FEELINGS, "ask": {a: [a] for a in ASKS}}
 
 
 def make_post(rng: random.Random) -> dict:
-    """One synthetic post: its six facts (canonical values), the words it uses for them, and the
-    prompt text in the trl-lib/tldr format."""
+    """One synthetic post: its eight facts (canonical values), the words it uses for them, the other
+    event's facts, and the prompt text in the trl-lib/tldr format."""
     facts = {slot: rng.choice(list(values)) for slot, values in _slots().items()}
     words = {slot: rng.choice(_slots()[slot][value]) for slot, value in facts.items()}
+    other = {slot: rng.choice([v for v in _slots()[slot] if v != facts[slot]])
+             for slot in ("who", "action", "when", "where")}
     sentences = [
-        f"{words['when']} my {words['who']} {words['action']}.",
+        f"{words['when']} my {words['who']} {words['action']} {words['where']}.",
         rng.choice(["they did it {}.", "and it was {}.", "it happened {}."]).format(words["how"]),
+        rng.choice(["after that {}.", "when i asked, {}.", "later {}."]).format(words["excuse"]),
         rng.choice(["i feel {} about it.", "i am so {}."]).format(words["feeling"]),
+        "{when} my {who} {action} {where} {end}".format(**other, end=OTHER_EVENT),
         rng.choice(FILLERS),
         f"{words['ask']}?",
     ]
+    rng.shuffle(sentences)
     body = " ".join(sentences)
     title = rng.choice([f"my {words['who']} {words['action']}", f"{words['ask']}?",
                         f"need advice about my {words['who']}"])
     subreddit = SUBREDDITS.get(facts["who"], rng.choice(["relationships", "offmychest", "advice"]))
     prompt = f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {body}\n\nTL;DR:"
-    return {"prompt": prompt, "facts": facts, "words": words}
+    return {"prompt": prompt, "facts": facts, "words": words, "other": other}
 
 
 def _fill(template: str, words: dict) -> str:
@@ -122,18 +140,35 @@ def _fill(template: str, words: dict) -> str:
 
 
 def oracle_summary(prompt: str) -> str:
-    """A gold-optimal summary of a post: all six facts in the post's own words, nothing else
-    (gold score 6, the maximum)."""
-    return _fill(ORACLE_TEMPLATE, post_facts(prompt, words=True))
+    """A gold-optimal summary of a post: its facts in the post's own words, in ORACLE_PARTS' order,
+    keeping the subset of them (who and what always) that scores highest (of equal scores, the first
+    with the most facts). Every kept fact is right and in the post's words, so a subset scores its
+    number of facts less WORD_PENALTY per word beyond MAX_WORDS: when all eight run past the limit, a
+    long fact costs more than it brings."""
+    words = post_facts(prompt, words=True)
+    optional = [slot for slot, _ in ORACLE_PARTS if slot]
+    best = None
+    for mask in range(2 ** len(optional)):
+        kept = {slot for i, slot in enumerate(optional) if mask >> i & 1} | {None}
+        text = "".join(part for slot, part in ORACLE_PARTS if slot in kept)
+        text = _fill(text if text.endswith("?") else text + ".", words)
+        n_words = sum(w.isalpha() for w in _words(text))
+        score = len(kept) + 1 - WORD_PENALTY * max(0, n_words - MAX_WORDS)  # who and what: 2 facts
+        if best is None or (score, len(kept)) > best[:2]:  # of equal scores, the one with more facts
+            best = (score, len(kept), text)
+    return best[2]
 
 
 def reference_summary(post: dict, rng: random.Random) -> str:
     """A human-like reference: one of a few styles, mostly in the post's words, now and then a wrong
-    feeling, a confident opener or a sentence copied from the post."""
+    feeling, the other event's time or place, a confident opener or a sentence copied from the post."""
     template = rng.choices([t for _, t in REFERENCE_TEMPLATES], [w for w, _ in REFERENCE_TEMPLATES])[0]
     words = {s: w if rng.random() < 0.7 else post["facts"][s] for s, w in post["words"].items()}
     if rng.random() < 0.1:
         words["feeling"] = rng.choice(list(FEELINGS))
+    if rng.random() < 0.05:
+        slot = rng.choice(["when", "where"])
+        words[slot] = post["other"][slot]
     return _traps(_fill(template, words), post, rng, 0.1, 0.1)
 
 
@@ -155,6 +190,8 @@ def candidate_summary(post: dict, rng: random.Random) -> str:
     for slot, values in _slots().items():
         if rng.random() < 0.03:
             words[slot] = rng.choice(list(values))  # a wrong fact
+        elif slot in post["other"] and rng.random() < 0.05:
+            words[slot] = post["other"][slot]  # the other event's
     text = _traps(_fill(rng.choice([t for _, t in REFERENCE_TEMPLATES]), words), post, rng, 0.3, 0.2)
     if rng.random() < 0.1:
         text += text  # repetition
@@ -184,9 +221,11 @@ def _has(text: str, phrase: str) -> bool:
 
 
 def post_facts(prompt: str, words: bool = False) -> dict:
-    """Recover the six facts from a prompt produced by `make_post` (the judge sees only text): their
-    canonical values, or with words=True the post's own words for them."""
-    post = prompt.split("POST:", 1)[-1]
+    """Recover the eight facts from a prompt produced by `make_post` (the judge sees only text): their
+    canonical values, or with words=True the post's own words for them. The other event's sentence
+    (the one ending in OTHER_EVENT) is not this post's."""
+    sentences = re.split(r"(?<=[.?])\s+", prompt.split("POST:", 1)[-1].strip())
+    post = " ".join(s for s in sentences if not s.endswith(OTHER_EVENT))
     found = {}
     for slot, values in _slots().items():
         for value, forms in values.items():
@@ -199,12 +238,13 @@ def post_facts(prompt: str, words: bool = False) -> dict:
 
 
 def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
-    """Deterministic quality of `summary` for the post in `prompt`; higher is better, 6 at most.
+    """Deterministic quality of `summary` for the post in `prompt`; higher is better, 8 at most.
 
-    +1 per key fact stated (in any of its wordings); -1 per wrong fact (a person, action, time, way,
-    feeling or question of the world that is not this post's); -0.5 per distinct word absent from the
-    post (another wording of one of its facts is not absent); -0.5 per repeated word pair (at most 4); -0.3 per
-    word beyond MAX_WORDS; -3 when the summary never stopped (no EOS). Summaries stating the same facts cleanly tie.
+    +1 per key fact stated (in any of its wordings); -1 per wrong fact (a person, action, time, place,
+    way, excuse, feeling or question of the world that is not this post's event: the other event's
+    too); -0.5 per distinct word absent from the post (another wording of one of its facts is not
+    absent); -0.5 per repeated word pair (at most 4); -WORD_PENALTY per word beyond MAX_WORDS; -3 when
+    the summary never stopped (no EOS). Summaries stating the same facts cleanly tie.
     """
     facts = post_facts(prompt)
     text = " ".join(_words(summary))
@@ -222,7 +262,7 @@ def gold_score(prompt: str, summary: str, finished: bool = True) -> float:
     bigrams = [b for b in zip(words, words[1:]) if b[0] not in ",.?" and b[1] not in ",.?"]
     score -= 0.5 * min(4, len(bigrams) - len(set(bigrams)))
     n_words = sum(w.isalpha() for w in words)
-    score -= 0.3 * max(0, n_words - MAX_WORDS)
+    score -= WORD_PENALTY * max(0, n_words - MAX_WORDS)
     if not finished:
         score -= 3.0
     return score

@@ -105,7 +105,7 @@ def main(args: Args):
     sft = load_policy(sft_path, load_tokenizer(sft_path)).eval()
     reward_tokenizer = load_tokenizer(reward_path)
     reward_model = load_reward_model(reward_path, reward_tokenizer).eval()
-    # the oracle: gold-optimal summaries (gold score 6), the ceiling of every policy's win rate
+    # the oracle: gold-optimal summaries (the most a summary of the post can score), every policy's ceiling
     prompts = [r["prompt"] for r in rows]
     oracle = [tiny_tldr.oracle_summary(p) for p in prompts]
     rate, ci = tiny_tldr.win_rate(prompts, oracle, [r["completion"] for r in rows])

@@ -2,6 +2,7 @@
 whole job in quick mode."""
 
 import glob
+import importlib
 import itertools
 import json
 import math
@@ -13,7 +14,7 @@ import pytest
 import torch
 import tyro
 
-from benchmarks import run_tiny_tldr, study_tiny_tldr
+from benchmarks import run_tiny_tldr, study_tiny_tldr, tiny_tldr
 from benchmarks.tiny_tldr_eval import load_checkpoint, sequence_kl
 from common.generation import Samples
 from tests.conftest import FixedLogits, run_script
@@ -145,6 +146,24 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
         assert study_cmd == main_cmd
         assert study_env == main_env, {k: (main_env.get(k), study_env.get(k)) for k in {*main_env, *study_env}
                                        if main_env.get(k) != study_env.get(k)}
+    # RECIPE's settings reach their scripts once each, with their values; 1600 completions: 50 steps of 32
+    # (GKD: 100 of 16), unless in quick mode
+    for name, settings in run_tiny_tldr.RECIPE.items():
+        [cmd] = [cmd for cmd, _ in main_chain if cmd[1].endswith(f"algos/{name}.py")]
+        for flag, value in settings.items():
+            assert cmd.count(f"--{flag}") == 1 and float(cmd[cmd.index(f"--{flag}") + 1]) == value, (name, flag)
+    for name, steps in (("grpo", 50), ("rloo", 50), ("online_dpo", 50), ("ppo", 50), ("gkd", 100)):
+        [cmd] = [cmd for cmd, _ in main_chain if cmd[1].endswith(f"algos/{name}.py")]
+        assert cmd.count("--max_steps") == 1 and cmd[cmd.index("--max_steps") + 1] == str(2 if quick else steps)
+    # seeds 2 and 3 train the methods from seed 1's SFT and reward models: no SFT or reward stage of their own,
+    # and their sft/ and reward/ are links to seed 1's
+    for seed in (2, 3):
+        scripts = [os.path.basename(cmd[1]) for cmd, _ in chain(study, str(tmp_path / "study" / f"seed_{seed}"))]
+        assert "sft.py" not in scripts and "reward.py" not in scripts and scripts.count("tiny_tldr_eval.py") == 8
+        assert len(scripts) == 15
+        for name in ("sft", "reward"):
+            link = tmp_path / "study" / f"seed_{seed}" / name
+            assert os.path.realpath(link) == str(tmp_path / "study" / "seed_1" / name)
     # GKD at half its budget distils from the seed's full-budget PPO, not from the half-budget PPO beside it
     for seed in (1, 2, 3):
         [half_gkd] = [cmd for cmd, _ in study if f"gkd__half{seed}__" in " ".join(cmd)]
@@ -175,7 +194,10 @@ def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
     evals = {p: json.load(open(tmp_path / "out" / "eval" / f"{p}.json")) for p in
              ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo", "gkd")}
     assert all(set(e) == {p, "oracle"} for p, e in evals.items())
-    assert evals["sft"]["oracle"]["gold_score"] == 6
+    with open(os.path.join(tiny_tldr.TINY_SFT_DATA, "test.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f][:16]
+    oracle = statistics.mean(tiny_tldr.gold_score(p, tiny_tldr.oracle_summary(p)) for p in prompts)
+    assert evals["sft"]["oracle"]["gold_score"] == pytest.approx(oracle) and oracle > 6.5
     # the table's numbers are the evaluation's and the logs' (recomputed here from the files)
     titles = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "grpo": "GRPO", "rloo": "RLOO", "online_dpo": "Online DPO",
               "ppo": "PPO", "gkd": "GKD"}
@@ -198,7 +220,8 @@ def test_quick_study_writes_its_sections_and_figures(tmp_path):
                "--seeds", "1", "2", "--kl_scales", "4", "--output_dir", str(tmp_path / "out"),
                "--results", str(results), timeout=1800)
     text = results.read_text()
-    for section in ("## Resolving power", "## KL-reward frontier", "## Over-optimisation"):
+    for section in ("## Resolving power", "## A code change that slows learning", "## KL-reward frontier",
+                    "## Over-optimisation"):
         assert section in text
     # the frontier, along training: every run saved a checkpoint a step (2 steps: a fifth is < 1), each
     # evaluated; the last one holds the final model's weights (PPO's too, saved with its value model)
@@ -214,9 +237,14 @@ def test_quick_study_writes_its_sections_and_figures(tmp_path):
         assert re.search(rf"^\| {method} \| [\d.]+% ± [\d.]+% \| [\d.]+% ± [\d.]+% \|", text, re.M), method
     for name in ("frontier", "overoptimisation", "win_rate", "sample_efficiency"):
         assert (tmp_path / "results" / f"study_{name}.png").stat().st_size > 10000
-    # the frontier runs got their scaled KL strength: DPO's beta 0.1 x 4, RLOO's kl_coef 0.05 x 4
+    # the frontier runs got their scaled KL strength: DPO's beta 0.1 x 4, RLOO's kl_coef (RECIPE's 0.5) x 4
     dpo = json.load(open(glob.glob(str(tmp_path / "out" / "frontier" / "x4" / "dpo" / "logs" / "*.args.json"))[0]))
     rloo = json.load(open(glob.glob(str(tmp_path / "out" / "frontier" / "x4" / "rloo" / "logs" / "*.args.json"))[0]))
-    assert dpo["beta"] == pytest.approx(0.4) and rloo["kl_coef"] == pytest.approx(0.2)
+    assert dpo["beta"] == pytest.approx(0.4) and rloo["kl_coef"] == pytest.approx(2.0)
+    # the slowdown runs: half the learning rate (the scripts' defaults: neither is in RECIPE)
+    for m in ("grpo", "dpo"):
+        [slow] = glob.glob(str(tmp_path / "out" / "slow" / "seed_2" / m / "logs" / "*.args.json"))
+        default = getattr(importlib.import_module(f"algos.{m}").Args(), "learning_rate")
+        assert json.load(open(slow))["learning_rate"] == pytest.approx(default / 2), m
     grpo = json.load(open(glob.glob(str(tmp_path / "out" / "overopt" / "grpo_small_rm" / "logs" / "*.args.json"))[0]))
     assert grpo["beta"] == 0 and grpo["reward_model_paths"] == [str(tmp_path / "out" / "overopt" / "reward_small")]

@@ -8,14 +8,18 @@ import pytest
 
 from benchmarks import tiny_tldr
 
-PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my manager ate my cake\n\nPOST: any advice would help. yesterday my manager "
-          "ate my cake. they did it on purpose. i am so furious. should i move on?\n\nTL;DR:")
-ORACLE = " yesterday my manager ate my cake on purpose. i feel furious, should i move on?"
+PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my manager ate my cake\n\nPOST: any advice would help. i am so furious. "
+          "last week my neighbor sold my bike on the bus too, but that is another story. yesterday my manager ate "
+          "my cake at work. later they laughed about it. they did it on purpose. should i move on?\n\nTL;DR:")
+# all eight facts in 21 words (the limit is 22)
+ORACLE = (" yesterday my manager ate my cake at work on purpose, they laughed about it. i feel furious, "
+          "should i move on?")
 
 
 def test_post_facts_are_recovered_from_text():
-    assert tiny_tldr.post_facts(PROMPT) == {"who": "boss", "action": "ate my cake", "when": "yesterday",
-                                            "how": "on purpose", "feeling": "angry", "ask": "should i move on"}
+    assert tiny_tldr.post_facts(PROMPT) == {
+        "who": "boss", "action": "ate my cake", "when": "yesterday", "where": "at work", "how": "on purpose",
+        "excuse": "they laughed about it", "feeling": "angry", "ask": "should i move on"}  # not the other event's
     assert tiny_tldr.post_facts(PROMPT, words=True)["who"] == "manager"
 
 
@@ -28,15 +32,17 @@ def test_generated_posts_parse_back_to_their_facts():
 
 
 @pytest.mark.parametrize("summary,expected", [
-    (ORACLE, 6),
+    (ORACLE, 8),
     # another wording of the post's person is not a word missing from the post
     (" my boss ate my cake.", 2),
+    # the other event's time and place: two wrong facts (their words are in the post: no other penalty)
+    (" last week my manager ate my cake on the bus.", 2 - 1 - 1),
     # mom is not who ate the cake: a wrong fact (-1) and a word not in the post (-0.5); angry is furious
     (" my mom ate my cake and i feel angry.", 2 - 1 - 0.5),
     # a confident opener: 'honestly' is not in the post
     (" honestly, my manager ate my cake.", 2 - 0.5),
-    # a copied sentence after all six facts: 23 words, one beyond 22
-    (ORACLE + " any advice would help. i am so furious.", 6 - 0.3),
+    # a copied sentence after all eight facts: 25 words, three beyond 22 at 0.5 each
+    (ORACLE + " any advice would help.", 8 - 1.5),
     # 'my manager ate my cake' three times: 4 + 4 repeated word pairs, counted at most 4
     (" my manager ate my cake and my manager ate my cake and my manager ate my cake", 2 - 0.5 * 4),
 ])
@@ -44,12 +50,35 @@ def test_gold_score_hand_computed(summary, expected):
     assert tiny_tldr.gold_score(PROMPT, summary) == pytest.approx(expected)
 
 
+LONG = ("SUBREDDIT: r/offmychest\n\nTITLE: need advice about my best friend\n\nPOST: i am so hurt. two days "
+        "ago my best friend canceled our trip at a wedding. it happened after promising not to. when i asked, they "
+        "said they were busy. last night my boss broke my laptop at home too, but that is another story. should i "
+        "talk to them?\n\nTL;DR:")
+
+
+def subsets(prompt):
+    """Every summary of the post that keeps who and what and any of the other facts, in the oracle's order."""
+    words = tiny_tldr.post_facts(prompt, words=True)
+    optional = [slot for slot, _ in tiny_tldr.ORACLE_PARTS if slot]
+    for mask in range(2 ** len(optional)):
+        text = "".join(part for slot, part in tiny_tldr.ORACLE_PARTS
+                       if slot is None or mask >> optional.index(slot) & 1)
+        yield " " + (text if text.endswith("?") else text + ".").format(**words)
+
+
 def test_oracle_summary_is_gold_optimal():
     assert tiny_tldr.oracle_summary(PROMPT) == ORACLE
+    # all eight facts would take 29 words (8 - 0.5 x 7 = 4.5); dropping the 5-word ask or the 5-word excuse
+    # leaves 24 (7 - 1 = 6), the best: a long fact costs more than it brings
+    long = tiny_tldr.oracle_summary(LONG)
+    assert tiny_tldr.gold_score(LONG, long) == 6
+    assert long == (" two days ago my best friend canceled our trip at a wedding after promising not to, they said "
+                    "they were busy. i feel hurt.")
     rng = random.Random(1)
-    for _ in range(200):
+    for _ in range(30):
         prompt = tiny_tldr.make_post(rng)["prompt"]
-        assert tiny_tldr.gold_score(prompt, tiny_tldr.oracle_summary(prompt)) == 6  # the most a summary can get
+        best = max(tiny_tldr.gold_score(prompt, s) for s in subsets(prompt))
+        assert tiny_tldr.gold_score(prompt, tiny_tldr.oracle_summary(prompt)) == best
 
 
 def test_labellers_like_what_the_gold_judge_does_not():
@@ -99,7 +128,7 @@ def test_datasets_have_the_trl_lib_columns(tiny_task):
 
 
 def test_references_leave_headroom(tiny_task):
-    """References are good but imperfect: the oracle (all six facts) beats nearly all of them, the most
+    """References are good but imperfect: the oracle (the facts that fit) beats nearly all of them, the most
     common style (three facts) few of them."""
     with open(os.path.join(tiny_tldr.TINY_SFT_DATA, "test.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -107,7 +136,7 @@ def test_references_leave_headroom(tiny_task):
     oracle, _ = tiny_tldr.win_rate(prompts, [tiny_tldr.oracle_summary(p) for p in prompts], references)
     three = [" my {who} {action} {when}.".format(**tiny_tldr.post_facts(p, words=True)) for p in prompts]
     common, _ = tiny_tldr.win_rate(prompts, three, references)
-    assert 0.9 < oracle < 0.99 and 0.2 < common < 0.4
+    assert 0.9 < oracle < 0.97 and 0.1 < common < 0.3
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model):
