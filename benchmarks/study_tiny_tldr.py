@@ -1,11 +1,15 @@
 """The full tiny TL;DR study: what one seed of the main job cannot show.
 
-1. Seeds: the whole chain (SFT -> reward model -> DPO, KTO, GRPO, RLOO, online DPO, PPO) once per
-   seed; the table is the mean ± std over the seeds, with the oracle row (benchmarks/run_tiny_tldr.py).
+1. Seeds: seed 1 runs the whole chain (the main job's: SFT -> reward model -> DPO, KTO, GRPO, RLOO,
+   online DPO, PPO, GKD); every other seed trains each method again, with its own seed, from seed 1's
+   SFT and reward models (as RL methods are usually compared: on one SFT model; the SFT models' own seed
+   spread moved every method together and hid the differences of budget). The table is the mean ± std
+   over the seeds, with the oracle row (benchmarks/run_tiny_tldr.py).
 2. Resolving power: every method again with half its budget (half the sampled completions, half the
-   preference pairs), from the same seed's SFT model and reward model. The testbed resolves a method's
-   budget when the half-budget mean win rate is below the full-budget mean by more than 2 std (of the
-   full-budget seeds); and it separates two methods when their mean ± std intervals do not overlap.
+   preference pairs), every seed. The testbed resolves a method's budget when its full-budget mean win
+   rate less one std is above the half-budget mean plus one std; and it separates two methods when their
+   mean ± std intervals do not overlap. A code change: --slowdown's methods at half their learning rate,
+   every seed; the change shows when it moves the mean by more than the seeds' std.
 3. KL-reward frontier: each method with its KL strength (DPO/KTO/GRPO/online DPO beta, RLOO/PPO
    kl_coef) times 1 and each of --kl_scales, on --frontier_seed's SFT and reward models, saving a
    checkpoint every fifth of its steps; the gold score of the greedy summaries against KL(pi || SFT)
