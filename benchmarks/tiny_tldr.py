@@ -42,7 +42,7 @@ DATA_SEED = 1234
 # ---------------------------------------------------------------------------------------------
 # The world the posts are written about. Each post tells one event in eight key facts: who did
 # what, when, where, how, what they said about it, how the poster feels and what they ask; and,
-# to mislead, another event (another person, action, time and place), "also, unrelated: ...".
+# to mislead, another event (another person, action, time and place) "that is another story".
 # Its sentences come in a random order. A post words some facts in one of several ways (a person
 # is "boyfriend" or "bf"); a summary may use any of them. Eight facts do not fit in MAX_WORDS words
 # (a word beyond costs half a point, a fact gains one), so a good TL;DR chooses which to keep, and
@@ -75,7 +75,7 @@ FILLERS = ["this is not the first time it happened.", "we used to get along real
            "my friends say i should relax.", "i do not want to make it worse.",
            "it has been on my mind all day.", "any advice would help.",
            "i brought it up once.", "thanks for reading."]
-OTHER_EVENT = "also, unrelated:"  # opens the distracting sentence (read before its facts, as a causal LM reads)
+OTHER_EVENT = "too, but that is another story."  # ends the distracting sentence
 MAX_WORDS = 22  # the gold judge takes 0.5 per word beyond this
 WORD_PENALTY = 0.5
 
@@ -122,7 +122,7 @@ def make_post(rng: random.Random) -> dict:
         rng.choice(["they did it {}.", "and it was {}.", "it happened {}."]).format(words["how"]),
         rng.choice(["after that {}.", "when i asked, {}.", "later {}."]).format(words["excuse"]),
         rng.choice(["i feel {} about it.", "i am so {}."]).format(words["feeling"]),
-        "{start} {when} my {who} {action} {where}.".format(**other, start=OTHER_EVENT),
+        "{when} my {who} {action} {where} {end}".format(**other, end=OTHER_EVENT),
         rng.choice(FILLERS),
         f"{words['ask']}?",
     ]
@@ -223,9 +223,9 @@ def _has(text: str, phrase: str) -> bool:
 def post_facts(prompt: str, words: bool = False) -> dict:
     """Recover the eight facts from a prompt produced by `make_post` (the judge sees only text): their
     canonical values, or with words=True the post's own words for them. The other event's sentence
-    (the one opening with OTHER_EVENT) is not this post's."""
+    (the one ending in OTHER_EVENT) is not this post's."""
     sentences = re.split(r"(?<=[.?])\s+", prompt.split("POST:", 1)[-1].strip())
-    post = " ".join(s for s in sentences if not s.startswith(OTHER_EVENT))
+    post = " ".join(s for s in sentences if not s.endswith(OTHER_EVENT))
     found = {}
     for slot, values in _slots().items():
         for value, forms in values.items():

@@ -9,7 +9,7 @@ import pytest
 from benchmarks import tiny_tldr
 
 PROMPT = ("SUBREDDIT: r/jobs\n\nTITLE: my manager ate my cake\n\nPOST: any advice would help. i am so furious. "
-          "also, unrelated: last week my neighbor sold my bike on the bus. yesterday my manager ate "
+          "last week my neighbor sold my bike on the bus too, but that is another story. yesterday my manager ate "
           "my cake at work. later they laughed about it. they did it on purpose. should i move on?\n\nTL;DR:")
 # all eight facts in 21 words (the limit is 22)
 ORACLE = (" yesterday my manager ate my cake at work on purpose, they laughed about it. i feel furious, "
@@ -52,7 +52,7 @@ def test_gold_score_hand_computed(summary, expected):
 
 LONG = ("SUBREDDIT: r/offmychest\n\nTITLE: need advice about my best friend\n\nPOST: i am so hurt. two days "
         "ago my best friend canceled our trip at a wedding. it happened after promising not to. when i asked, they "
-        "said they were busy. also, unrelated: last night my boss broke my laptop at home. should i "
+        "said they were busy. last night my boss broke my laptop at home too, but that is another story. should i "
         "talk to them?\n\nTL;DR:")
 
 
