@@ -209,11 +209,10 @@ def chain_stages(run_dir: str, seed: int, run_name, args: Args, stages: dict, st
     methods start from that seed's SFT and reward models: <run_dir>/sft and reward link to them."""
     for name, (_, needs, *_) in STAGES.items():
         if start is not None and name in ("sft", "reward"):
-            link = os.path.join(run_dir, name)
+            link, argv = os.path.join(run_dir, name), stages[start, name][0]
             os.makedirs(run_dir, exist_ok=True)
-            if not os.path.lexists(link):
-                os.symlink(os.path.abspath(stages[start, name][0][stages[start, name][0].index("--output_dir") + 1]),
-                           link)
+            if not os.path.lexists(link):  # to the start seed's model: its stage's --output_dir
+                os.symlink(os.path.abspath(argv[argv.index("--output_dir") + 1]), link)
             continue
         made = lambda n: (start if start is not None and n in ("sft", "reward") else seed, n)  # noqa: E731
         stages[seed, name] = (stage_argv(name, run_dir, seed, run_name(seed, name), args),
