@@ -40,8 +40,8 @@ class Args:
     """models and logs of every run"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of the tiny task's GRPO runs (the SFT and reward model are seed 1's)"""
-    completions: int = 2400
-    """completions each tiny GRPO run samples (the main job's budget: 75 steps of 32)"""
+    completions: int = 1600
+    """completions each tiny GRPO run samples (the main job's budget: 50 steps of 32)"""
     max_steps: int = -1
     """quick mode when > 0: every tiny stage (SFT, reward model, GRPO) stops after this many steps"""
     smollm2_steps: int = 8
@@ -153,7 +153,8 @@ def summary(rows: list[dict]) -> dict:
 def markdown(s: dict, args: Args) -> str:
     lines = ["| task | K | s/step (median) | trainer waits (s/step) | sampler waits (s/step) | speed-up vs K = 0 | "
              "gold win rate (mean ± std over seeds) |", "|---|---|---|---|---|---|---|"]
-    for task, label in (("tiny", "tiny TL;DR, GRPO 75 x 32"), ("smollm2", "SmolLM2-135M arithmetic, GRPO 16/step")):
+    tiny_label = f"tiny TL;DR, GRPO {args.completions // 32} x 32"
+    for task, label in (("tiny", tiny_label), ("smollm2", "SmolLM2-135M arithmetic, GRPO 16/step")):
         for k in (0, 1):
             r = s.get(f"{task}_k{k}")
             if r is None:

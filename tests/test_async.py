@@ -186,4 +186,4 @@ def test_the_benchmark_in_quick_mode(tmp_path):
     assert [(r["task"], r["k"]) for r in runs] == [("tiny", 0), ("tiny", 1), ("smollm2", 0), ("smollm2", 1)]
     assert all((r["staleness"] > 0) == (r["k"] == 1) and r["seconds_per_step"] > 0 for r in runs)
     table = (tmp_path / "async.md").read_text()
-    assert "| tiny TL;DR, GRPO 75 x 32 | 1 |" in table and "| SmolLM2-135M arithmetic, GRPO 16/step | 1 |" in table
+    assert "| tiny TL;DR, GRPO 50 x 32 | 1 |" in table and "| SmolLM2-135M arithmetic, GRPO 16/step | 1 |" in table
