@@ -19,10 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from benchmarks import tiny_tldr
 from common.checkpoint import Checkpointer
 from common.runtime import UserError
 from tests.conftest import ROOT, run_script
-from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run
+from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run, small_data
 from tests.test_sft import read_log
 
 EVERYTHING_ON = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "1"]
@@ -162,7 +163,8 @@ def test_dpo_lora_with_precomputed_reference_under_zero3(tmp_path, sft_model):
     `prepare` (before it, ZeRO-3 had sharded the model with no engine to gather it)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("peft")
-    run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--use_peft", "--precompute_ref_logps",
+    run_script("algos/dpo.py", "--model_name_or_path", sft_model, "--dataset_name",
+               small_data(tiny_tldr.TINY_PREFERENCE_DATA), "--use_peft", "--precompute_ref_logps",
                "--max_steps", "2", "--per_device_train_batch_size", "4", "--dataset_test_split", "",
                "--logging_steps", "1", "--output_dir", str(tmp_path), launcher=launcher(3))
     assert [r["step"] for r in read_log(str(tmp_path)) if "loss" in r] == [1, 2]

@@ -7,8 +7,12 @@ the run, and rollouts are updated in micro-batches drawn from one global shuffle
 Not in the default run (~3 min on 2 cores): `python -m pytest -m multiproc`; .ci/run runs them in one
 session with the DeepSpeed and FSDP2 tests, which compare against the same 1-process runs."""
 
+import atexit
+import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import pytest
@@ -48,9 +52,32 @@ QUIET = {"sft": ["--num_sample_generations", "0"], "reward": ["--num_sample_pair
 
 def model_flags(script, sft_model, rm_model):
     flags = [] if script == "sft" else ["--model_name_or_path", sft_model]
+    if script in ("sft", "reward", "dpo", "kto"):  # the offline scripts: whole-split passes
+        flags += ["--dataset_name", small_data(tiny_tldr.TINY_SFT_DATA if script == "sft" else
+                                               tiny_tldr.TINY_PREFERENCE_DATA)]
     if script == "gkd":  # the SFT model distilled from the tiny base model: they differ, so the loss is not 0
         flags += ["--teacher_model_name_or_path", tiny_tldr.TINY_MODEL]
     return flags + (["--reward_model_path", rm_model] if script == "ppo" else [])
+
+
+_small_data = {}
+
+
+def small_data(source: str) -> str:
+    """A tiny task's dataset folder cut to 64 training and 16 validation rows (once per session): dpo's
+    precomputed reference log-probabilities and the evaluations go over a whole split (~3500 training pairs: 9 of
+    the 2-process step's minutes in CI on a slow day, for dpo under ZeRO-2 alone; ~500 validation rows), where
+    two steps read 16 rows."""
+    if source not in _small_data:
+        out = tempfile.mkdtemp(prefix="tiny-tldr-")
+        atexit.register(shutil.rmtree, out, True)
+        for split, rows in (("train", 64), ("validation", 16)):
+            with open(os.path.join(source, f"{split}.jsonl")) as f:
+                head = list(itertools.islice(f, rows))
+            with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
+                f.writelines(head)
+        _small_data[source] = out
+    return _small_data[source]
 
 
 TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
