@@ -102,6 +102,10 @@ GLUE_WORDS = set("my i and the a feel am so because but after about it them they
 # reward model learns both; a policy that pushes its score too far says "honestly" and rambles.
 CONFIDENT = ["honestly", "clearly", "basically", "seriously", "for real"]
 LABELLER_BIAS = {"confident": 1.0, "per_word": 0.08}
+# How often a candidate of a preference pair takes the other event's time or place (each): often enough that
+# about 40% of the pairs differ in that, so a reward model can learn which sentence a time belongs to (at 5%,
+# 13% of the pairs did, and the reward model scored the other event's time as the post's: measured 2026-11-27)
+OTHER_TIME_PLACE = 0.25
 
 
 def _slots():
@@ -190,7 +194,7 @@ def candidate_summary(post: dict, rng: random.Random) -> str:
     for slot, values in _slots().items():
         if rng.random() < 0.03:
             words[slot] = rng.choice(list(values))  # a wrong fact
-        elif slot in post["other"] and rng.random() < 0.05:
+        elif slot in post["other"] and rng.random() < (OTHER_TIME_PLACE if slot in ("when", "where") else 0.05):
             words[slot] = post["other"][slot]  # the other event's
     text = _traps(_fill(rng.choice([t for _, t in REFERENCE_TEMPLATES]), words), post, rng, 0.3, 0.2)
     if rng.random() < 0.1:
