@@ -129,12 +129,26 @@ def stage_argv(name: str, run_dir: str, seed: int, run_name: str, args: Args, st
     return argv
 
 
-def run_stages(stages: dict, jobs: int, threads: int) -> dict:
+def run_stages(stages: dict, jobs: int, threads: int, progress: str | None = None) -> dict:
     """Run every stage {key: (argv, keys it needs, log file)} once the stages it needs have finished,
     up to `jobs` at a time, in the order given. Returns each stage's wall seconds; if one fails, stops
-    the others and exits with its log's end."""
+    the others and exits with its log's end. With `progress` (a JSONL file), each finished stage is
+    appended to it, and a stage found there with the same command line is not run again, unless a stage it
+    needs runs again (an interrupted job goes on where it stopped)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    pending, running, seconds = dict(stages), {}, {}
+    pending, running, seconds, began = dict(stages), {}, {}, time.time()
+    done = {}
+    if progress and os.path.exists(progress):
+        with open(progress) as f:
+            done = {r["key"]: r for r in map(json.loads, f) if "key" in r}
+    kept = {key for key, (argv, _, _) in stages.items() if done.get(json.dumps(list(key)), {}).get("argv") == argv}
+    while stale := {key for key in kept if any(n not in kept for n in stages[key][1])}:
+        kept -= stale
+    for key in kept:
+        seconds[key] = done[json.dumps(list(key))]["seconds"]
+        del pending[key]
+    if seconds:
+        print(f"{len(seconds)} of {len(stages)} stages already finished (in {progress}): not run again", flush=True)
     while pending or running:
         for key, (argv, needs, log) in list(pending.items()):
             if len(running) < jobs and all(n in seconds for n in needs):
@@ -143,21 +157,25 @@ def run_stages(stages: dict, jobs: int, threads: int) -> dict:
                 with open(log, "w") as f:
                     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], stdout=f,
                                             stderr=subprocess.STDOUT, env=env)
-                running[key] = (proc, time.time(), log)
+                running[key] = (proc, time.time(), log, argv)
                 del pending[key]
         time.sleep(0.5)
-        for key, (proc, start, log) in list(running.items()):
+        for key, (proc, start, log, argv) in list(running.items()):
             if proc.poll() is None:
                 continue
             del running[key]
             if proc.returncode != 0:
-                for other, _, _ in running.values():
+                for other, *_ in running.values():
                     other.terminate()
                     other.wait()
                 with open(log) as f:
                     sys.exit(f"{f.read()[-4000:]}\nstage failed (exit status {proc.returncode}); its output: {log}")
             seconds[key] = time.time() - start
             print(f"[{time.strftime('%H:%M:%S')}] done  {log} in {seconds[key]:.0f} s", flush=True)
+            if progress:  # `elapsed`: this run's time so far (a job's total over its runs)
+                with open(progress, "a") as f:
+                    f.write(json.dumps({"key": json.dumps(list(key)), "argv": argv, "seconds": seconds[key],
+                                        "run": began, "elapsed": time.time() - began}) + "\n")
     return seconds
 
 

@@ -23,6 +23,7 @@
 
     python benchmarks/study_tiny_tldr.py          # about 60-70 minutes on 2 cores
     python benchmarks/study_tiny_tldr.py --frontier_only   # seed 1's SFT and reward model, then the frontier
+    python benchmarks/study_tiny_tldr.py --resume          # after an interruption: the stages not yet finished
     python benchmarks/study_tiny_tldr.py --max_steps 2 --eval_prompts 16 --kl_prompts 8 \\
         --output_dir /tmp/study --results /tmp/study/tiny_tldr_study.md   # quick check that it runs
 
@@ -80,6 +81,9 @@ class StudyArgs(Args):
     """train and report only the frontier (--frontier_seed's SFT and reward model first): <results>_frontier.md"""
     report_only: bool = False
     """write the tables and figures from a finished study in --output_dir without training anything"""
+    resume: bool = False
+    """go on with an interrupted study in --output_dir (same flags): the stages its progress.jsonl records as
+    finished, with the same command lines, are not run again"""
 
 
 def default_value(method: str, flag: str) -> float:
@@ -172,7 +176,18 @@ def main(args: StudyArgs):
     out = os.path.abspath(args.output_dir)
     done_file = os.path.join(out, "stages.json")  # written when every stage has finished
     finished = json.load(open(done_file)) if args.report_only else None
-    stamp = finished["stamp"] if finished else int(time.time())
+    progress = os.path.join(out, "progress.jsonl")  # a line per finished stage, for --resume
+    earlier = []  # the interrupted runs' lines
+    if args.resume and os.path.exists(progress):
+        with open(progress) as f:
+            earlier = [json.loads(line) for line in f]
+    stamp = finished["stamp"] if finished else earlier[0]["stamp"] if earlier else int(time.time())
+    if not finished and not earlier:
+        os.makedirs(out, exist_ok=True)
+        with open(progress, "w") as f:
+            f.write(json.dumps({"stamp": stamp}) + "\n")
+    # the wall time of the interrupted runs, each up to its last finished stage
+    earlier_runs = {r["run"]: r["elapsed"] for r in earlier if "run" in r}
     run_name = lambda key, name: f"{name}__{key}__{stamp}"  # noqa: E731
     start = time.time()
     tiny_tldr.build()
@@ -252,12 +267,12 @@ def main(args: StudyArgs):
 
     if finished:
         seconds = {tuple(json.loads(k)): v for k, v in finished["seconds"].items()}
-        base_seconds, total = finished["base_seconds"], finished["total"]
+        base_seconds, total, runs = finished["base_seconds"], finished["total"], finished.get("runs", 1)
     else:
-        seconds = run_stages(stages, args.jobs, args.threads)
-        total = time.time() - start
+        seconds = run_stages(stages, args.jobs, args.threads, progress)
+        total, runs = time.time() - start + sum(earlier_runs.values()), len(earlier_runs) + 1
         with open(done_file, "w") as f:
-            json.dump({"stamp": stamp, "base_seconds": base_seconds, "total": total,
+            json.dump({"stamp": stamp, "base_seconds": base_seconds, "total": total, "runs": runs,
                        "seconds": {json.dumps(list(k)): v for k, v in seconds.items()}}, f)
 
     # ---- REPORT: the seeds' table and figures, the frontier (its own file), then the study's own sections ----
@@ -317,7 +332,9 @@ def main(args: StudyArgs):
         lines.append(f"| {name} | {fifths([records], 'reward')} | {fifths([records], GOLD_KEY)} |")
     plots.overoptimisation(overopt, "reward", figure("overoptimisation"))
     lines += ["", f"Figure: `{os.path.basename(figure('overoptimisation'))}`.",
-              "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each)."]
+              "", f"Whole study: {total / 60:.0f} minutes ({args.jobs} stages at a time, {args.threads} thread each"
+              + (f"; {runs} runs, each resumed with --resume after an interruption, counted up to its last finished "
+                 "stage)." if runs > 1 else ").")]
     with open(args.results, "a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

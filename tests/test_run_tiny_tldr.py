@@ -171,6 +171,31 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
         assert teacher == str(tmp_path / "study" / f"seed_{seed}" / "ppo"), teacher
 
 
+def test_resumed_study_runs_only_the_stages_not_finished_and_those_after_a_changed_one(tmp_path, monkeypatch):
+    # the study takes hours here: started again with --resume after an interruption, it must run the stages its
+    # progress file does not record as finished, with the same command lines (and so the same run names), and
+    # every stage after one whose command line changed; without --resume, everything again
+    flags = ["--output_dir", str(tmp_path / "study"), "--results", str(tmp_path / "study.md")]
+    study = lambda *more: launched(monkeypatch, study_tiny_tldr, study_tiny_tldr.StudyArgs, [*flags, *more])  # noqa: E731
+    first = study()
+    progress = tmp_path / "study" / "progress.jsonl"
+    lines = progress.read_text().splitlines()
+    assert len(lines) == 1 + len(first) > 100  # the time stamp, then one line per finished stage
+    progress.write_text("\n".join(lines[:-7]) + "\n")  # interrupted before the last 7 stages finished
+    assert study("--resume") == first[-7:]
+    assert study("--resume") == []  # the resumed run recorded them
+    # seed 2's GRPO recorded with another beta: it and its evaluation run again, nothing else
+    changed = [json.loads(line) for line in progress.read_text().splitlines()]
+    [grpo] = [r for r in changed if r.get("key") == json.dumps([2, "grpo"])]
+    grpo["argv"][grpo["argv"].index("--beta") + 1] = "0.5"
+    progress.write_text("".join(json.dumps(r) + "\n" for r in changed))
+    rerun = study("--resume")
+    assert [os.path.basename(cmd[1]) for cmd, _ in rerun] == ["grpo.py", "tiny_tldr_eval.py"]
+    assert rerun[1][0][rerun[1][0].index("--out") + 1] == str(tmp_path / "study" / "seed_2" / "eval" / "grpo.json")
+    assert rerun[0][0] == next(cmd for cmd, _ in first if "grpo__2__" in " ".join(cmd))
+    assert len(study()) == len(first)
+
+
 @pytest.mark.slow
 def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
     results = tmp_path / "results" / "tiny_tldr.md"
