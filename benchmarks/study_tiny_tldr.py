@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import tyro
 
 from benchmarks import plots, tiny_tldr
-from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, RECIPE, ROOT, SAMPLES_PER_STEP, STAGES, Args,
+from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, RECIPE, ROOT, SAMPLES_PER_STEP, STAGES, TEACHER, Args,
                                       chain_stages, evaluate_stage, fifths, read_eval, read_log, report, run_stages,
                                       stage_argv)
 
@@ -214,9 +214,9 @@ def main(args: StudyArgs):
     for seed, run_dir in half_dirs.items():
         for m in METHODS:
             needs = [made(seed, n) for n in STAGES[m][1]]
-            # GKD at half its budget, from the same teacher: the seed's PPO at its full budget
+            # GKD at half its budget, from the same teacher: the seed's RLOO at its full budget
             stages["half", seed, m] = (stage_argv(m, run_dir, seed, run_name(f"half{seed}", m), args, half_steps[m],
-                                                  teacher=os.path.join(seed_dirs[seed], "ppo")),
+                                                  teacher=os.path.join(seed_dirs[seed], TEACHER)),
                                        needs, os.path.join(run_dir, "logs", f"{m}.log"))
             stages["half", seed, f"evaluate_{m}"] = evaluate_stage(run_dir, m, args,
                                                                    [(fs, "reward"), ("half", seed, m)])

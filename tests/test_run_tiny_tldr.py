@@ -164,11 +164,11 @@ def test_study_runs_the_main_jobs_chain_for_its_seed_1(quick, tmp_path, monkeypa
         for name in ("sft", "reward"):
             link = tmp_path / "study" / f"seed_{seed}" / name
             assert os.path.realpath(link) == str(tmp_path / "study" / "seed_1" / name)
-    # GKD at half its budget distils from the seed's full-budget PPO, not from the half-budget PPO beside it
+    # GKD at half its budget distils from the seed's full-budget teacher (RLOO), not from the half-budget one beside it
     for seed in (1, 2, 3):
         [half_gkd] = [cmd for cmd, _ in study if f"gkd__half{seed}__" in " ".join(cmd)]
         teacher = half_gkd[half_gkd.index("--teacher_model_name_or_path") + 1]
-        assert teacher == str(tmp_path / "study" / f"seed_{seed}" / "ppo"), teacher
+        assert teacher == str(tmp_path / "study" / f"seed_{seed}" / "rloo"), teacher
 
 
 def test_resumed_study_runs_only_the_stages_not_finished_and_those_after_a_changed_one(tmp_path, monkeypatch):
