@@ -37,6 +37,7 @@ from the start model gets the same paired bootstrap, and it "learned" when that 
                                                           # (tests/test_real_lm.py; report in output/real_lm)
     python benchmarks/real_lm.py --steps.grpo 40 --seeds 1 2 3 --n_test 300
     python benchmarks/real_lm.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct   # with internet
+    python benchmarks/real_lm.py --resume                 # after an interruption: the stages not yet finished
 """
 
 import datetime
@@ -97,6 +98,9 @@ class Args:
     quick: bool = False
     """2 steps a stage on batches of 2 (4 completions online), 16 tokens, 8 held-out questions, 32 pair
     prompts, 1 seed: checks that every stage runs and the report is written"""
+    resume: bool = False
+    """go on with an interrupted study in --output_dir (same flags): the stages its progress.jsonl records as
+    finished, with the same command lines, are not run again"""
     # budgets
     steps: dict[str, int] = field(default_factory=lambda: {
         "sft": 30, "reward": 20, "dpo": 20, "kto": 20, "online_dpo": 15, "rloo": 15, "grpo": 15, "ppo": 15,
@@ -395,11 +399,14 @@ def markdown(r: dict, args: Args) -> str:
     rm_seconds = statistics.mean(rm[seed]["seconds"] for seed in s)
     quick = ("QUICK MODE (--quick): 2 steps a stage; the numbers only show that the study runs.\n\n" if args.quick
              else "")
+    minutes = r["total_seconds"] / 60
+    runs = (f" ({r['runs']} runs: interrupted, then --resume; each counted up to its last finished stage)"
+            if r.get("runs", 1) > 1 else "")
     header = ("| method | accuracy after (95% CI) | per seed | change vs start (95% CI) | KL to start | length "
               "| steps x s/step | wall time (s) |")
     return f"""# Every method on SmolLM2-135M-Instruct: mixed arithmetic
 
-{quick}Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min.
+{quick}Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {minutes:.1f} min{runs}.
 
 Held-out greedy accuracy on {start['n']} questions (+, - and x in two wordings each; right when the reply's last
 number is the answer), after training from the start model; mean over seed(s) {', '.join(map(str, s))}, with a 95%
@@ -464,15 +471,17 @@ def main(args: Args):
         return make_pairs(args)
     if args.stage == "evaluate":
         return evaluate(args)
-    from benchmarks.run_tiny_tldr import run_stages
+    from benchmarks.run_tiny_tldr import run_stages, start_progress
 
     os.chdir(ROOT)  # the reward function is imported from the working directory
     start = time.time()
-    args.stamp = int(start)
+    progress = os.path.join(args.output_dir, "progress.jsonl")  # a line per finished stage, for --resume
+    args.stamp, earlier_seconds, earlier_runs = start_progress(progress, args.resume)
     write_task(args)
-    seconds = run_stages(study_stages(args), args.jobs, args.threads)
+    seconds = run_stages(study_stages(args), args.jobs, args.threads, progress)
     result = collect(args, seconds)
-    result.update(settings=asdict(args), total_seconds=time.time() - start, date=datetime.date.today().isoformat(),
+    result.update(settings=asdict(args), total_seconds=time.time() - start + earlier_seconds, runs=earlier_runs + 1,
+                  date=datetime.date.today().isoformat(),
                   command=shlex.join(["python", "benchmarks/real_lm.py", *sys.argv[1:]]),
                   machine=f"{os.cpu_count()} CPU cores ({platform.machine()})", model=args.model_name_or_path)
     results_dir = args.results_dir or (args.output_dir if args.quick else os.path.join(ROOT, "benchmarks", "results"))

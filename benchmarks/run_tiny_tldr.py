@@ -184,6 +184,22 @@ def run_stages(stages: dict, jobs: int, threads: int, progress: str | None = Non
     return seconds
 
 
+def start_progress(path: str, resume: bool) -> tuple[int, float, int]:
+    """The progress file of a long job, for run_stages: with `resume` and an existing file, the interrupted
+    runs' (time stamp, wall seconds, each run up to its last finished stage, number of runs); else a new file
+    holding a new stamp (the run names carry it, so a resumed job's command lines match the first run's)."""
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        runs = {r["run"]: r["elapsed"] for r in lines if "run" in r}
+        return lines[0]["stamp"], sum(runs.values()), len(runs)
+    stamp = int(time.time())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps({"stamp": stamp}) + "\n")
+    return stamp, 0.0, 0
+
+
 def read_log(path: str) -> tuple[dict, list[dict]]:
     """(all metrics merged, later records winning; the training-step records) of one run's JSONL."""
     with open(path) as f:

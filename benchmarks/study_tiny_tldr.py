@@ -47,7 +47,7 @@ import tyro
 from benchmarks import plots, tiny_tldr
 from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, RECIPE, ROOT, SAMPLES_PER_STEP, STAGES, TEACHER, Args,
                                       chain_stages, evaluate_stage, fifths, read_eval, read_log, report, run_stages,
-                                      stage_argv)
+                                      stage_argv, start_progress)
 
 METHODS = POLICIES[1:]
 # each method's KL strength: the flag, read from the script's own default
@@ -177,17 +177,10 @@ def main(args: StudyArgs):
     done_file = os.path.join(out, "stages.json")  # written when every stage has finished
     finished = json.load(open(done_file)) if args.report_only else None
     progress = os.path.join(out, "progress.jsonl")  # a line per finished stage, for --resume
-    earlier = []  # the interrupted runs' lines
-    if args.resume and os.path.exists(progress):
-        with open(progress) as f:
-            earlier = [json.loads(line) for line in f]
-    stamp = finished["stamp"] if finished else earlier[0]["stamp"] if earlier else int(time.time())
-    if not finished and not earlier:
-        os.makedirs(out, exist_ok=True)
-        with open(progress, "w") as f:
-            f.write(json.dumps({"stamp": stamp}) + "\n")
-    # the wall time of the interrupted runs, each up to its last finished stage
-    earlier_runs = {r["run"]: r["elapsed"] for r in earlier if "run" in r}
+    if finished:
+        stamp, earlier_seconds, earlier_runs = finished["stamp"], 0, 0
+    else:
+        stamp, earlier_seconds, earlier_runs = start_progress(progress, args.resume)
     run_name = lambda key, name: f"{name}__{key}__{stamp}"  # noqa: E731
     start = time.time()
     tiny_tldr.build()
@@ -270,7 +263,7 @@ def main(args: StudyArgs):
         base_seconds, total, runs = finished["base_seconds"], finished["total"], finished.get("runs", 1)
     else:
         seconds = run_stages(stages, args.jobs, args.threads, progress)
-        total, runs = time.time() - start + sum(earlier_runs.values()), len(earlier_runs) + 1
+        total, runs = time.time() - start + earlier_seconds, earlier_runs + 1
         with open(done_file, "w") as f:
             json.dump({"stamp": stamp, "base_seconds": base_seconds, "total": total, "runs": runs,
                        "seconds": {json.dumps(list(k)): v for k, v in seconds.items()}}, f)

@@ -44,3 +44,13 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
     assert "QUICK MODE" in report
     assert all(f"| {title} |" in report for title in real_lm.TITLES.values())
     assert os.path.getsize(results / "real_lm.png") > 0
+
+    # started again with --resume, nothing is trained again and the report is the same; the time is both runs'
+    again = run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
+                       "--results_dir", str(results), "--resume", timeout=600)
+    stages = len(real_lm.study_stages(real_lm.Args(quick=True, seeds=[1], jobs=2)))
+    assert f"{stages} of {stages} stages already finished" in again.stdout
+    with open(results / "real_lm.json") as f:
+        resumed = json.load(f)
+    assert resumed["methods"] == result["methods"] and resumed["runs"] == 2
+    assert resumed["total_seconds"] > result["total_seconds"]

@@ -183,6 +183,7 @@ def test_resumed_study_runs_only_the_stages_not_finished_and_those_after_a_chang
     assert len(lines) == 1 + len(first) > 100  # the time stamp, then one line per finished stage
     progress.write_text("\n".join(lines[:-7]) + "\n")  # interrupted before the last 7 stages finished
     assert study("--resume") == first[-7:]
+    assert json.loads((tmp_path / "study" / "stages.json").read_text())["runs"] == 2  # the whole study's time: both
     assert study("--resume") == []  # the resumed run recorded them
     # seed 2's GRPO recorded with another beta: it and its evaluation run again, nothing else
     changed = [json.loads(line) for line in progress.read_text().splitlines()]
