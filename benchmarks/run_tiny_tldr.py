@@ -367,7 +367,7 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
         "The RM reward of samples is the reward model's mean score of the completions the online runs sampled, "
         "over the first and the last tenth of their steps. Budgets: every online run samples "
         f"{args.completions if args.max_steps <= 0 else args.max_steps * 32} completions (32 per step; GKD 16 per "
-        "step, distilled from PPO's policy, no reward model); DPO and KTO "
+        f"step, distilled from {STAGES[TEACHER][2]}'s policy, no reward model); DPO and KTO "
         "see each training preference pair once (KTO as two unpaired rows). s/step: median seconds per logged step; "
         "wall time: each stage's own (stages run side by side, so they add up to more than the total).\n\n")
     figure = lambda suffix: os.path.splitext(args.results)[0] + f"_{suffix}.png"  # noqa: E731
