@@ -131,7 +131,7 @@ class Args:
     """the model folders --stage evaluate judges, one after the other"""
     # filled in at runtime
     stamp: int = 0
-    """the study's start time, in every run name (a script appends to the log of a run name it has seen)"""
+    """the study's start time, in every run name (kept by --resume, so the stages' command lines match)"""
 
 
 # ---------------------------------------------------------------------------------------------

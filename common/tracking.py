@@ -16,7 +16,8 @@ class Tracker:
     def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
                  total_steps: int, start_step: int = 0, wandb_project: str | None = None,
                  wandb_entity: str | None = None):
-        """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file."""
+        """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file
+        (from step 0 a run of the same name starts the file again)."""
         self.main, self.every, self.start = accelerator.is_main_process, max(1, logging_steps), time.time()
         # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
         # lines print either way
@@ -26,7 +27,9 @@ class Tracker:
             return
         self.path = os.path.join(output_dir, "logs", f"{run_name}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        if start_step and os.path.exists(self.path):  # drop what was logged after the checkpoint: it is redone
+        # drop what was logged after the checkpoint (it is redone), or all of it for a run from step 0: a run of
+        # the same name that was interrupted before its first checkpoint and started again logs in a clean file
+        if os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
             with open(self.path, "w") as f:

@@ -1,14 +1,15 @@
 """The Tracker: metric lines always, a progress bar on a terminal only, sample tables as readable text."""
 
+import json
 import sys
 from types import SimpleNamespace
 
 from common.tracking import Tracker
 
 
-def tracker(tmp_path):
+def tracker(tmp_path, start_step=0):
     return Tracker(SimpleNamespace(is_main_process=True), output_dir=str(tmp_path), run_name="r", config={},
-                   logging_steps=1, total_steps=2)
+                   logging_steps=1, total_steps=2, start_step=start_step)
 
 
 def test_off_a_terminal_no_progress_bar_but_every_metric_line(tmp_path, capsys):
@@ -39,3 +40,22 @@ def test_sample_tables_show_conversations_as_role_and_content(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[0]     prompt: system: Be brief. | user: Summarize: my cat ate it\n" in out and "'role'" not in out
     assert "[1]     prompt: TITLE: a post\n" in out and "[1]     reward: -1.000\n" in out
+
+
+def test_a_rerun_of_the_same_name_starts_its_log_again_a_resumed_one_drops_the_steps_it_redoes(tmp_path):
+    # a run killed before its first checkpoint and started again (the benchmarks' --resume) must not leave its
+    # first steps in the log next to the new ones; a run resumed at step 1 keeps step 1 and redoes step 2
+    def steps():
+        with open(tmp_path / "logs" / "r.jsonl") as f:
+            return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+    first = tracker(tmp_path)
+    first.log({"loss": 1.0}, 1)
+    first.log({"loss": 2.0}, 2)
+    resumed = tracker(tmp_path, start_step=1)
+    assert steps() == [(1, 1.0)]
+    resumed.log({"loss": 3.0}, 2)
+    assert steps() == [(1, 1.0), (2, 3.0)]
+    again = tracker(tmp_path)
+    again.log({"loss": 4.0}, 1)
+    assert steps() == [(1, 4.0)]
