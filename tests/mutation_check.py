@@ -9,17 +9,20 @@ unchanged copy, or a failure would prove nothing.
     python tests/mutation_check.py --only 3 7   # some of them (numbers as in the table)
     python -m pytest -m mutation                # the same, as a test (every bug must be caught)
 
-Two mutations run at a time (--jobs), each in its own copy, each pytest on one torch thread: most of a
-row's time is pytest starting, and two processes of two threads each on a 2-core machine would wait
-on each other.
+Two mutations run at a time (--jobs), each in its own copy, each pytest on one torch thread: two processes
+of two threads each on a 2-core machine would wait on each other. Most of a row's time was its pytest
+importing torch, transformers, accelerate and datasets (2026-11-28: 29 s of a 28 s row's wall time was
+collection, 17 s of CPU); so each row's pytest is forked from a server that imported them once
+(multiprocessing's forkserver, preloaded with the rows' test modules) and forgets the project's own modules
+before it runs, so that it imports them, mutated or not, from its copy.
 """
 
 import argparse
+import multiprocessing
 import os
 import queue
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -243,14 +246,41 @@ def copy_project(dest: str):
     shutil.copytree(ROOT, dest, ignore=skip)
 
 
+ENV = dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1",
+           TOKENIZERS_PARALLELISM="false")
+PROJECT = ("algos", "common", "benchmarks", "tests")  # the packages a copy holds: imported afresh in each run
+
+
+def pytest_in(where: str, tests: list[str], log: str):
+    """In a process forked from the server: forget the project's modules, then pytest `tests` inside `where`
+    (its modules first on the path, for the tests' own subprocesses too), its output into `log`."""
+    for name in [m for m in sys.modules if m.split(".")[0] in PROJECT]:
+        del sys.modules[name]
+    sys.path[:] = [where] + [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
+    os.chdir(where)
+    os.environ["PYTHONPATH"] = where
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    import pytest
+
+    code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
 def run_tests(where: str, tests: list[str]) -> tuple[int, str, float]:
-    """pytest on `tests` inside `where` (its own modules first on the path); (exit code, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=where, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               OMP_NUM_THREADS="1")
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests],
-                          cwd=where, env=env, capture_output=True, text=True)
-    return proc.returncode, proc.stdout + proc.stderr, time.time() - start
+    """pytest on `tests` inside `where`, forked from the server; (exit code, output, seconds)."""
+    start, log = time.time(), os.path.join(where, "pytest.log")
+    proc = multiprocessing.get_context("forkserver").Process(target=pytest_in, args=(where, tests, log))
+    proc.start()
+    proc.join(1800)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    with open(log) as f:
+        return proc.exitcode if proc.exitcode is not None else -9, f.read(), time.time() - start
 
 
 def failing_test(output: str) -> str:
@@ -261,6 +291,11 @@ def failing_test(output: str) -> str:
 def check(only: list[int] | None = None, jobs: int = 2) -> list[dict]:
     chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not only or i in only]
     jobs = max(1, min(jobs, len(chosen)))
+    # the server starts with this environment (one OpenMP thread is read when torch loads) and imports the
+    # chosen rows' test modules, with them torch, transformers and the rest, from this project
+    os.environ.update(ENV)
+    files = sorted({t.split("::")[0] for _, m in chosen for t in m[4]})
+    multiprocessing.set_forkserver_preload([f.removesuffix(".py").replace("/", ".") for f in files])
     results = []
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp, ThreadPoolExecutor(jobs) as pool:
         copies = queue.Queue()  # one project copy per job; a mutation borrows one and restores it
@@ -312,6 +347,9 @@ def table(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, ROOT)  # run as a script: the forked runs find this module as tests.mutation_check
+    from tests.mutation_check import check, table  # noqa: F811  (pickled by that name for the server)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", type=int, nargs="*", help="mutation numbers to run (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="mutations run at a time, each in its own copy")
