@@ -264,7 +264,10 @@ def pytest_in(where: str, tests: list[str], log: str):
     os.dup2(out, 2)
     import pytest
 
-    code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", "", *tests])
+    # its temporary files inside the copy (removed with it): a forked run leaves by os._exit, without pytest's own
+    # clean-up of /tmp/pytest-of-<user>, which kept ~8 MB a row there
+    code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-m", "", "--basetemp", os.path.join(where, ".tmp"),
+                        *tests])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code))
