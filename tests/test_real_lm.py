@@ -39,6 +39,7 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
         run = runs["1"]
         assert run["n"] == 8 and len(run["correct"]) == 8 and run["mean_tokens"] > 0, name
         assert 0 <= runs["ci95"][0] <= runs["accuracy"] <= runs["ci95"][1] <= 1, name
+        assert runs["seeds_above_start"] == int(run["accuracy"] > result["start"]["ci95"][1]), name
     assert 0 <= result["reward_model"]["1"]["heldout_pair_accuracy"] <= 1
     assert result["pairs"]["train_pairs"] >= 2 and result["start"]["n"] == 8
     report = (results / "real_lm.md").read_text()
