@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 import tyro
 from torch.distributed.tensor import DTensor
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
@@ -51,7 +50,8 @@ from common.data import (NO_SHARED_START, check_columns, completion_text, encode
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (adapt, deepspeed_stage, hint_learning_rate, load_policy,
                            load_tokenizer, prepare_frozen, reference)
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker
 
 LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard", "nca_pair", "apo_zero",
@@ -414,8 +414,8 @@ def main(args: Args):
         return torch.stack([gathered[j % world, j // world] for j in range(len(examples))])
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
-                              args.num_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                             args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     train_ref = eval_ref = None  # after prepare: with LoRA the reference is the prepared policy, adapters off

@@ -46,14 +46,14 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler, sampler_options
 
@@ -336,8 +336,8 @@ def main(args: Args):
     teacher = prepare_frozen(accelerator, load_policy(args.teacher_model_name_or_path, tokenizer, args.torch_dtype,
                                                       role="teacher"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
-                              args.num_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                             args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options)

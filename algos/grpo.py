@@ -35,7 +35,6 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
@@ -45,7 +44,8 @@ from common.generation import generate, pad, shifted_logits, token_entropy, toke
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.rollouts import RolloutStream
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler, importance_metrics, importance_weights, sampler_options
 
@@ -390,8 +390,8 @@ def main(args: Args):
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
-                              args.max_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
+                             args.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
     sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
                            **vllm_options) if args.use_vllm else None)

@@ -32,7 +32,6 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
@@ -40,7 +39,8 @@ from common.data import (NO_SHARED_START, check_columns, completion_text, encode
                          split_implicit_prompt)
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker, reduce_stats
 
 
@@ -347,8 +347,8 @@ def main(args: Args):
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
         ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
-                              args.num_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                             args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,

@@ -29,7 +29,6 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
@@ -39,7 +38,8 @@ from common.generation import (generate, real_positions, shifted_logits, token_e
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker, reduce_stats
 from common.vllm import VLLMSampler, importance_weights, sampler_options
 
@@ -375,7 +375,7 @@ def main(args: Args):
                                            accelerator)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,

@@ -26,7 +26,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 import tyro
-from transformers import get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
@@ -35,7 +34,8 @@ from common.data import (NO_SHARED_START, check_columns, encode_completion, enco
 from common.generation import decodes_here, pad, unwrapped_for_generation
 from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
-from common.runtime import UserError, check_output_dir, check_positive, exit_on_user_error, setup, stop_on_signal
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
+                            stop_on_signal)
 from common.tracking import Tracker, reduce_stats
 
 
@@ -288,8 +288,8 @@ def main(args: Args):
         with whole:
             torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
-                              args.num_steps)
+    scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
+                             args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,

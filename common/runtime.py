@@ -1,8 +1,10 @@
-"""Process setup: accelerator, seeds, checks of the flags, one-line user errors, stop signals."""
+"""Process setup: accelerator, seeds, checks of the flags, one-line user errors, stop signals, the learning-rate
+schedule."""
 
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -148,6 +150,32 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
         plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
     torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
+
+
+def lr_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
+    """transformers' `get_scheduler(name, optimizer, warmup_steps, total_steps)`, the schedules the scripts offer
+    by default built here on torch's LambdaLR with the same multipliers of the peak rate at step s (w: warm-up
+    steps, T: total): s / w while s < w, then "linear" (T - s) / (T - w), "cosine" (1 + cos(pi (s - w) / (T - w))) / 2,
+    "constant_with_warmup" 1; "constant" 1 from the start. Other names go to transformers. Why not transformers' for
+    all: importing it imports transformers.trainer_utils and, when installed, peft: ~5 s of every launch on a CPU."""
+    if name not in ("linear", "cosine", "constant", "constant_with_warmup"):
+        from transformers import get_scheduler
+
+        return get_scheduler(name, optimizer, warmup_steps, total_steps)
+
+    def multiplier(step: int) -> float:
+        if name == "constant":
+            return 1.0
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        decay_steps = max(1, total_steps - warmup_steps)
+        if name == "linear":
+            return max(0.0, (total_steps - step) / decay_steps)
+        if name == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((step - warmup_steps) / decay_steps))))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def check_output_dir(d: str, overwrite: bool, resume: str | None):
