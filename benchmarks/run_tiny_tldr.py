@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -139,7 +140,8 @@ def run_stages(stages: dict, jobs: int, threads: int, progress: str | None = Non
     up to `jobs` at a time, in the order given. Returns each stage's wall seconds; if one fails, stops
     the others and exits with its log's end. With `progress` (a JSONL file), each finished stage is
     appended to it, and a stage found there with the same command line is not run again, unless a stage it
-    needs runs again (an interrupted job goes on where it stopped)."""
+    needs runs again (an interrupted job goes on where it stopped). Stopped itself (SIGTERM, Ctrl-C), it stops
+    the stages it runs."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     pending, running, seconds, began = dict(stages), {}, {}, time.time()
     done = {}
@@ -154,33 +156,38 @@ def run_stages(stages: dict, jobs: int, threads: int, progress: str | None = Non
         del pending[key]
     if seconds:
         print(f"{len(seconds)} of {len(stages)} stages already finished (in {progress}): not run again", flush=True)
-    while pending or running:
-        for key, (argv, needs, log) in list(pending.items()):
-            if len(running) < jobs and all(n in seconds for n in needs):
-                print(f"[{time.strftime('%H:%M:%S')}] start {log}: python {' '.join(argv)}", flush=True)
-                os.makedirs(os.path.dirname(log), exist_ok=True)
-                with open(log, "w") as f:
-                    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], stdout=f,
-                                            stderr=subprocess.STDOUT, env=env)
-                running[key] = (proc, time.time(), log, argv)
-                del pending[key]
-        time.sleep(0.5)
-        for key, (proc, start, log, argv) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            del running[key]
-            if proc.returncode != 0:
-                for other, *_ in running.values():
-                    other.terminate()
-                    other.wait()
-                with open(log) as f:
-                    sys.exit(f"{f.read()[-4000:]}\nstage failed (exit status {proc.returncode}); its output: {log}")
-            seconds[key] = time.time() - start
-            print(f"[{time.strftime('%H:%M:%S')}] done  {log} in {seconds[key]:.0f} s", flush=True)
-            if progress:  # `elapsed`: this run's time so far (a job's total over its runs)
-                with open(progress, "a") as f:
-                    f.write(json.dumps({"key": json.dumps(list(key)), "argv": argv, "seconds": seconds[key],
-                                        "run": began, "elapsed": time.time() - began}) + "\n")
+    stop = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # `kill`, a time limit
+    try:
+        while pending or running:
+            for key, (argv, needs, log) in list(pending.items()):
+                if len(running) < jobs and all(n in seconds for n in needs):
+                    print(f"[{time.strftime('%H:%M:%S')}] start {log}: python {' '.join(argv)}", flush=True)
+                    os.makedirs(os.path.dirname(log), exist_ok=True)
+                    with open(log, "w") as f:
+                        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], stdout=f,
+                                                stderr=subprocess.STDOUT, env=env)
+                    running[key] = (proc, time.time(), log, argv)
+                    del pending[key]
+            time.sleep(0.5)
+            for key, (proc, start, log, argv) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[key]
+                if proc.returncode != 0:  # run_stages stops the others
+                    with open(log) as f:
+                        sys.exit(f"{f.read()[-4000:]}\nstage failed (exit status {proc.returncode}); its output: {log}")
+                seconds[key] = time.time() - start
+                print(f"[{time.strftime('%H:%M:%S')}] done  {log} in {seconds[key]:.0f} s", flush=True)
+                if progress:  # `elapsed`: this run's time so far (a job's total over its runs)
+                    with open(progress, "a") as f:
+                        record = {"key": json.dumps(list(key)), "argv": argv, "seconds": seconds[key], "run": began,
+                                  "elapsed": time.time() - began}
+                        f.write(json.dumps(record) + "\n")
+    finally:  # stopped (SIGTERM, Ctrl-C) or a stage failed: the stages still running stop with it
+        signal.signal(signal.SIGTERM, stop)
+        for proc, *_ in running.values():
+            proc.terminate()
+            proc.wait()
     return seconds
 
 

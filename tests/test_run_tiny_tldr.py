@@ -8,7 +8,11 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -195,6 +199,30 @@ def test_resumed_study_runs_only_the_stages_not_finished_and_those_after_a_chang
     assert rerun[1][0][rerun[1][0].index("--out") + 1] == str(tmp_path / "study" / "seed_2" / "eval" / "grpo.json")
     assert rerun[0][0] == next(cmd for cmd, _ in first if "grpo__2__" in " ".join(cmd))
     assert len(study()) == len(first)
+
+
+def test_stopped_job_stops_the_stages_it_runs(tmp_path):
+    # a job stopped by SIGTERM (`kill`, a scheduler's time limit) must not leave its stages running unattended,
+    # training on and writing into its output folder (it used to: its children went on)
+    stage = tmp_path / "stage.py"  # a stage that says its process id, then runs for 10 minutes
+    stage.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    pid_file = tmp_path / "pid"
+    job = subprocess.Popen([sys.executable, "-c", "import sys; from benchmarks.run_tiny_tldr import run_stages; "
+                            "run_stages({'stage': (sys.argv[1:3], [], sys.argv[3])}, 1, 1)",
+                            str(stage), str(pid_file), str(tmp_path / "stage.log")], cwd=run_tiny_tldr.ROOT)
+    deadline = time.time() + 120
+    while not (pid_file.exists() and pid_file.read_text()) and job.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    stage_pid = int(pid_file.read_text())
+    job.terminate()
+    job.wait(timeout=60)
+    try:
+        os.kill(stage_pid, 0)  # the stage's process, if it still exists
+    except ProcessLookupError:
+        assert job.returncode == 128 + signal.SIGTERM  # as a shell reports a process that SIGTERM ended
+        return
+    os.kill(stage_pid, signal.SIGKILL)
+    pytest.fail("the stage went on after its job was stopped")
 
 
 @pytest.mark.slow
