@@ -240,7 +240,7 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
     agree (a prompt's samples, a pair's chosen and rejected) run them once and continue from that
     prefix's cache (gradients flow through it); share_prefix=False: one plain forward (PPO)."""
     position_ids = real_positions(attention_mask)
-    cache = shared_prefix_cache(model, input_ids, attention_mask, start if share_prefix else 0, logits_to_keep=1)
+    cache = shared_prefix_cache(model, input_ids, attention_mask, start, logits_to_keep=1) if share_prefix else None
     if cache is not None:
         return model(input_ids=input_ids[:, start:], attention_mask=attention_mask,
                      position_ids=position_ids[:, start:], use_cache=True, **{CACHE: cache}).logits[:, :-1]

@@ -241,6 +241,10 @@ def test_every_rank_makes_the_same_model_calls_whatever_its_prompt_width(tiny_mo
         with torch.no_grad():
             shifted_logits(model, ids, torch.ones_like(ids), start=width - 1)
         assert len(calls) == 2, (width, len(calls))
+        calls.clear()  # share_prefix=False (PPO, the same on every rank): one plain forward, no 1-token pass
+        with torch.no_grad():
+            shifted_logits(model, ids, torch.ones_like(ids), start=width - 1, share_prefix=False)
+        assert len(calls) == 1, (width, len(calls))
     assert shared_prefix_cache(model, ids, torch.ones_like(ids), 0) is None  # length 0: the caller runs full rows
 
 
