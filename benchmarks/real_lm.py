@@ -38,6 +38,7 @@ from the start model gets the same paired bootstrap, and it "learned" when that 
     python benchmarks/real_lm.py --steps.grpo 40 --seeds 1 2 3 --n_test 300
     python benchmarks/real_lm.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct   # with internet
     python benchmarks/real_lm.py --resume                 # after an interruption: the stages not yet finished
+    python benchmarks/real_lm.py --methods ppo --results_dir benchmarks/results/real_lm_ppo   # one method again
 """
 
 import datetime
@@ -90,7 +91,11 @@ class Args:
     results_dir: str = ""
     """where real_lm.json, .md and .png go; empty: benchmarks/results (in quick mode: <output_dir>)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """seeds; each trains every method once (the pairs and the start model's evaluation are shared)"""
+    """seeds, started in this order; each trains every method once (the pairs and the start model's evaluation
+    are shared)"""
+    methods: list[str] = field(default_factory=lambda: list(POLICIES))
+    """methods trained and reported (with the stages they wait for: the reward model, SFT for gkd), e.g.
+    `--methods ppo` to rerun one method with other flags"""
     jobs: int = 2
     """stages run at the same time"""
     threads: int = 1
@@ -319,6 +324,17 @@ def stage_argv(name: str, seed: int, run_dir: str, args: Args) -> list[str]:
     return argv
 
 
+def trained(args: Args) -> list[str]:
+    """The stages a seed trains: --methods and the stages they wait for, in STAGES' order."""
+    names, todo = set(), list(args.methods)
+    while todo:
+        name = todo.pop()
+        if name in STAGES and name not in names:
+            names.add(name)
+            todo += STAGES[name][2]
+    return [name for name in STAGES if name in names]
+
+
 def study_stages(args: Args) -> dict:
     """{key: (argv, keys it waits for, log)} of the whole study, in the order they may start."""
     me = ["benchmarks/real_lm.py", "--model_name_or_path", args.model_name_or_path, "--output_dir", args.output_dir,
@@ -331,12 +347,12 @@ def study_stages(args: Args) -> dict:
                                   "--n_test", str(args.n_test)], [], os.path.join(logs, "evaluate_start.log"))}
     for seed in args.seeds:
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
-        for name, (_, _, needs, _) in STAGES.items():
+        for name in trained(args):
             stages[seed, name] = (stage_argv(name, seed, run_dir, args),
-                                  [n if n == "pairs" else (seed, n) for n in needs],
+                                  [n if n == "pairs" else (seed, n) for n in STAGES[name][2]],
                                   os.path.join(run_dir, "logs", f"{name}.log"))
-        for i in range(args.jobs):  # one evaluation process per lane, each starting once its policies are trained
-            chunk = POLICIES[i::args.jobs]
+        for i in range(min(args.jobs, len(args.methods))):  # one evaluation process per lane, each starting once
+            chunk = args.methods[i::args.jobs]  # its policies are trained
             stages[seed, "evaluate", i] = ([*me, "--stage", "evaluate", "--n_test", str(args.n_test), "--stage_models",
                                             *(os.path.join(run_dir, name) for name in chunk)],
                                            [(seed, name) for name in chunk],
@@ -367,11 +383,12 @@ def collect(args: Args, seconds: dict) -> dict:
               "reward_model": {}, "methods": {}}
     for seed in args.seeds:
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
-        for name in STAGES:
+        for name in trained(args):
             merged, records = read_log(os.path.join(run_dir, name, "logs", f"{name}__{seed}__{args.stamp}.jsonl"))
             timing = {"seconds": seconds[seed, name], "s_per_step": seconds_per_step(records), "steps": len(records)}
             if name == "reward":
                 result["reward_model"][seed] = {"heldout_pair_accuracy": merged["eval_accuracy"], **timing}
+            if name not in args.methods:
                 continue
             evaluation = load(eval_file(os.path.join(run_dir, name), args))
             result["methods"].setdefault(name, {})[seed] = {**evaluation, **timing}
@@ -386,11 +403,11 @@ def collect(args: Args, seconds: dict) -> dict:
 
 
 def markdown(r: dict, args: Args) -> str:
-    s, start, m = args.seeds, r["start"], r["methods"]
+    s, start, m = sorted(args.seeds), r["start"], r["methods"]  # seeds run in the order given, listed sorted
     mean = lambda name, key: statistics.mean(m[name][seed][key] for seed in s)  # noqa: E731
     rows = [f"| start model | {start['accuracy']:.1%} ({start['ci95'][0]:.1%} - {start['ci95'][1]:.1%}, Wilson) | | | "
             f"0 | {start['mean_tokens']:.1f} | | {r['stage_seconds']['evaluate_start']:.0f} (evaluation) |"]
-    for name in POLICIES:
+    for name in args.methods:
         per_seed = ", ".join(f"{m[name][seed]['accuracy']:.1%}" for seed in s) + f" ({m[name]['seeds_above_start']})"
         rows.append(f"| {TITLES[name]} | **{m[name]['accuracy']:.1%}** "
                     f"({m[name]['ci95'][0]:.1%} - {m[name]['ci95'][1]:.1%}) "
@@ -399,8 +416,12 @@ def markdown(r: dict, args: Args) -> str:
                     f"| {mean(name, 'mean_tokens'):.1f} | {mean(name, 'steps'):.0f} x {mean(name, 's_per_step'):.1f} s "
                     f"| {mean(name, 'seconds'):.0f} + {mean(name, 'eval_seconds'):.0f} |")
     rm, p = r["reward_model"], r["pairs"]
-    rm_accuracy = ", ".join(f"{rm[seed]['heldout_pair_accuracy']:.1%}" for seed in s)
-    rm_seconds = statistics.mean(rm[seed]["seconds"] for seed in s)
+    rm_line = ""
+    if rm:  # trained when a method waits for it
+        accuracy = ", ".join(f"{rm[seed]['heldout_pair_accuracy']:.1%}" for seed in s)
+        rm_line = (f"Reward model (from the start model, on the pairs): held-out pair accuracy {accuracy}\n"
+                   f"(seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}; {p['test_pairs']} pairs), "
+                   f"{statistics.mean(rm[seed]['seconds'] for seed in s):.0f} s.\n")
     quick = ("QUICK MODE (--quick): 2 steps a stage; the numbers only show that the study runs.\n\n" if args.quick
              else "")
     minutes = r["total_seconds"] / 60
@@ -426,10 +447,8 @@ included. Wall time: training + evaluation of each stage, in seconds (mean over 
 |---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + f"""
 
-Reward model (from the start model, on the pairs): held-out pair accuracy {rm_accuracy}
-(seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}; {p['test_pairs']} pairs), {rm_seconds:.0f} s.
-Pairs: the start model answered {p['questions']} training questions {p['samples'] // p['questions']} times each at
-temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right); \
+{rm_line}Pairs: the start model answered {p['questions']} training questions {p['samples'] // p['questions']} times
+each at temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right); \
 {p['questions_with_a_pair']} questions had a right
 and a wrong answer: {p['train_pairs']} training pairs, {p['test_pairs']} held out ({r['stage_seconds']['pairs']:.0f} s).
 
@@ -450,12 +469,12 @@ def figure(r: dict, args: Args, path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.axhspan(*start["ci95"], color="grey", alpha=0.25, label="start model (95% Wilson)")
     ax.axhline(start["accuracy"], color="grey")
-    for i, name in enumerate(POLICIES):
+    for i, name in enumerate(args.methods):
         low, high = m[name]["ci95"]
         ax.errorbar(i, m[name]["accuracy"], yerr=[[m[name]["accuracy"] - low], [high - m[name]["accuracy"]]],
                     fmt="o", color="C0" if m[name]["learned"] else "C3", capsize=4)
         ax.plot([i] * len(args.seeds), [m[name][s]["accuracy"] for s in args.seeds], "x", color="k", ms=4)
-    ax.set_xticks(range(len(POLICIES)), [TITLES[n] for n in POLICIES], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(args.methods)), [TITLES[n] for n in args.methods], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(f"held-out greedy accuracy ({start['n']} questions)")
     ax.set_title("SmolLM2-135M-Instruct: start -> after each method (mean, 95% bootstrap; x: seeds; blue: learned)",
                  fontsize=9)
@@ -469,6 +488,10 @@ def main(args: Args):
         args.steps = {k: 2 for k in args.steps}
         args.n_test, args.max_new_tokens, args.pair_prompts, args.pair_samples = 8, 16, 32, 4
         args.seeds = args.seeds[:1]
+    unknown = set(args.methods) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"--methods: no method {', '.join(sorted(unknown))} (methods: {', '.join(POLICIES)})")
+    args.methods = [name for name in POLICIES if name in args.methods]  # the report's order
     if not args.model_name_or_path:
         from benchmarks import smollm2
 

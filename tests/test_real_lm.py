@@ -12,9 +12,22 @@ from benchmarks import real_lm
 from tests.conftest import run_script
 from tests.test_realmodel import check_run, one_thread, smollm2  # noqa: F401  (fixtures: one torch thread, the model)
 
-pytestmark = pytest.mark.realmodel
+
+def test_methods_bring_the_stages_they_wait_for():
+    """--methods ppo gkd: each seed trains the reward model and SFT too (their inputs), evaluates only ppo and gkd,
+    and every stage waits only for stages of the study (a missing one would never start)."""
+    stages = real_lm.study_stages(real_lm.Args(methods=["ppo", "gkd"], seeds=[2, 1], model_name_or_path="m"))
+    assert list(stages) == ["pairs", "evaluate_start", (2, "sft"), (2, "reward"), (2, "ppo"), (2, "gkd"),
+                            (2, "evaluate", 0), (2, "evaluate", 1), (1, "sft"), (1, "reward"), (1, "ppo"),
+                            (1, "gkd"), (1, "evaluate", 0), (1, "evaluate", 1)]
+    assert all(need in stages for _, needs, _ in stages.values() for need in needs)
+    assert stages[2, "ppo"][1] == [(2, "reward")] and stages[1, "gkd"][1] == [(1, "sft")]
+    evaluated = [argv[argv.index("--stage_models") + 1:] for key, (argv, _, _) in stages.items()
+                 if key[1:2] == ("evaluate",)]
+    assert evaluated == [[f"output/real_lm/seed_{seed}/{name}"] for seed in (2, 1) for name in ("ppo", "gkd")]
 
 
+@pytest.mark.realmodel
 def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path):  # noqa: F811
     out, results = tmp_path / "study", tmp_path / "results"
     run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
@@ -60,4 +73,15 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
     with open(results / "real_lm.json") as f:
         resumed = json.load(f)
     assert resumed["methods"] == result["methods"] and resumed["runs"] == 2
+    run_ppo = result["methods"]["ppo"]["1"]
     assert first < resumed["total_seconds"] < first + (time.time() - began)
+
+    # --methods ppo in the same folder: nothing is trained again (ppo's evaluation, grouped anew, runs again) and the
+    # report holds the start model and PPO alone, with PPO's numbers as before
+    run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
+               "--results_dir", str(results), "--resume", "--methods", "ppo", timeout=600)
+    with open(results / "real_lm.json") as f:
+        only = json.load(f)
+    assert list(only["methods"]) == ["ppo"] and only["methods"]["ppo"]["1"]["correct"] == run_ppo["correct"]
+    report = (results / "real_lm.md").read_text()
+    assert "| PPO (RM) |" in report and "| SFT" not in report and "Reward model (from the start model" in report
