@@ -112,7 +112,7 @@ class Args:
         "gkd": 15, "rloo_exact": 25, "grpo_exact": 30})
     """optimizer steps of each stage (rollouts for rloo / ppo); ppo 30 (at 15 its reward-model score rose as
     much as rloo's and grpo's, but its held-out accuracy stayed inside the start model's interval in one seed of
-    two; at 30, 2 seeds of 3 are above it); the 3-seed study: ~105 minutes on 2 cores on a normal day, ~220 on a
+    two; at 30 with GAE lambda 1, all 3 seeds are above it); the 3-seed study: ~105 minutes on 2 cores on a normal day, ~220 on a
     2.1x slower one (measured per seed: docs/benchmarks.md, "Real-model study")"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 2e-5, "kto": 2e-5, "online_dpo": 2e-5, "rloo": 2e-5, "grpo": 2e-5,
@@ -289,7 +289,7 @@ def script_flags(script: str, args: Args) -> list[str]:
     rollout (their defaults, 2 and 4, would double and quadruple the cost of a step on this CPU). ppo's
     GAE lambda is 1 (its default 0.95 leans each token's advantage on the value model, which starts from the
     reward model and at the first rollout missed the returns by ~1.6 root mean square, on scores of ~2.8; seed 3
-    ended at 12.7% with 0.95, 29.3% with 1: docs/benchmarks.md)."""
+    ended at 12.7% with 0.95, 27.3% with 1, above the start model's interval as seeds 1 and 2: docs/benchmarks.md)."""
     batch, completions = (2, 4) if args.quick else (8, 16)
     lengths = ["--max_length", "128", "--max_prompt_length", "64"]  # the chat prompts are about 40 tokens
     online = ["--temperature", "0.7", "--max_prompt_length", "64"]
