@@ -112,8 +112,8 @@ class Args:
         "gkd": 15, "rloo_exact": 25, "grpo_exact": 30})
     """optimizer steps of each stage (rollouts for rloo / ppo); ppo 30 (at 15 its reward-model score rose as
     much as rloo's and grpo's, but its held-out accuracy stayed inside the start model's interval in one seed of
-    two; at 30 with GAE lambda 1, all 3 seeds are above it); the 3-seed study: ~105 minutes on 2 cores on a normal day, ~220 on a
-    2.1x slower one (measured per seed: docs/benchmarks.md, "Real-model study")"""
+    two; at 30 with GAE lambda 1, all 3 seeds are above it); the 3-seed study: ~105 minutes on 2 cores on a normal
+    day, ~220 on a 2.1x slower one (measured per seed: docs/benchmarks.md, "Real-model study")"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 2e-5, "kto": 2e-5, "online_dpo": 2e-5, "rloo": 2e-5, "grpo": 2e-5,
         "ppo": 3e-5, "gkd": 2e-5, "rloo_exact": 2e-5, "grpo_exact": 1e-5})
