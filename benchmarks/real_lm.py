@@ -418,6 +418,8 @@ def markdown(r: dict, args: Args) -> str:
                     f"{' (learned)' if m[name]['learned'] else ''} | {mean(name, 'log_ratio_per_token'):.3f} "
                     f"| {mean(name, 'mean_tokens'):.1f} | {mean(name, 'steps'):.0f} x {mean(name, 's_per_step'):.1f} s "
                     f"| {mean(name, 'seconds'):.0f} + {mean(name, 'eval_seconds'):.0f} |")
+    ran = trained(args)  # the budgets of these stages
+    steps, rates = ({k: v for k, v in flags.items() if k in ran} for flags in (args.steps, args.learning_rates))
     rm, p = r["reward_model"], r["pairs"]
     rm_line = ""
     if rm:  # trained when a method waits for it
@@ -455,7 +457,7 @@ each at temperature {args.pair_temperature} ({p['sampled_accuracy']:.1%} right);
 {p['questions_with_a_pair']} questions had a right
 and a wrong answer: {p['train_pairs']} training pairs, {p['test_pairs']} held out ({r['stage_seconds']['pairs']:.0f} s).
 
-Budgets: steps {json.dumps(args.steps)}; learning rates {json.dumps(args.learning_rates)}; every online step
+Budgets: steps {json.dumps(steps)}; learning rates {json.dumps(rates)}; every online step
 samples {4 if args.quick else 16} completions (temperature 0.7, at most {args.max_new_tokens} tokens); \
 offline steps take
 {2 if args.quick else 8} examples, pairs or rows. Figure: `real_lm.png`.

@@ -73,15 +73,17 @@ def test_quick_study_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
     with open(results / "real_lm.json") as f:
         resumed = json.load(f)
     assert resumed["methods"] == result["methods"] and resumed["runs"] == 2
-    run_ppo = result["methods"]["ppo"]["1"]
     assert first < resumed["total_seconds"] < first + (time.time() - began)
 
     # --methods ppo in the same folder: nothing is trained again (ppo's evaluation, grouped anew, runs again) and the
     # report holds the start model and PPO alone, with PPO's numbers as before
-    run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
-               "--results_dir", str(results), "--resume", "--methods", "ppo", timeout=600)
+    again = run_script("benchmarks/real_lm.py", "--quick", "--model_name_or_path", smollm2, "--output_dir", str(out),
+                       "--results_dir", str(results), "--resume", "--methods", "ppo", timeout=600)
+    assert "4 of 5 stages already finished" in again.stdout  # pairs, start, reward, ppo; not ppo's evaluation
     with open(results / "real_lm.json") as f:
         only = json.load(f)
-    assert list(only["methods"]) == ["ppo"] and only["methods"]["ppo"]["1"]["correct"] == run_ppo["correct"]
+    assert list(only["methods"]) == ["ppo"]
+    assert only["methods"]["ppo"]["1"]["correct"] == result["methods"]["ppo"]["1"]["correct"]
     report = (results / "real_lm.md").read_text()
     assert "| PPO (RM) |" in report and "| SFT" not in report and "Reward model (from the start model" in report
+    assert 'steps {"reward": 2, "ppo": 2}' in report
