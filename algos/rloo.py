@@ -259,12 +259,13 @@ def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float, k: int):
-    """Per-token advantages [N, T]: token rewards -kl_coef * kl_t plus the score at the last real
-    token; a token's return sums the rewards from it on; the baseline is the leave-one-out mean of
-    the other scored samples' whole-sequence returns. Unscorable samples (score NaN) get 0."""
+    """Per-token advantages [N, T]: token rewards -kl_coef * kl_t plus the score at the last trained
+    token (multi-turn: the mask has gaps at tool results, so the last 1, not the count of 1s); a token's
+    return sums the rewards from it on; the baseline is the leave-one-out mean of the other scored
+    samples' whole-sequence returns. Unscorable samples (score NaN) get 0."""
     scored = ~scores.isnan()
     rewards = -kl_coef * kl * mask
-    last = (mask.sum(dim=1) - 1).clamp(min=0).long()
+    last = (mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
     rewards[torch.arange(len(scores)), last] += scores.nan_to_num()
     returns = rewards.flip(1).cumsum(1).flip(1)  # reward-to-go
     grouped, in_group = returns[:, 0].view(-1, k), scored.view(-1, k)

@@ -50,6 +50,30 @@ def test_token_level_advantages_hand_worked():
     assert torch.allclose(advantages, torch.tensor(expected), atol=1e-6)
 
 
+def test_token_level_advantages_score_the_last_trained_token_across_tool_gaps():
+    """Multi-turn: the mask has 0s at tool results between the model's turns. The score goes on the last 1 (the
+    answer's end), not at the count of 1s minus one (which lands inside the tool result: the answer would get none)."""
+    scores = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    kl = torch.tensor([[0.5, 0.0, 1.0, 9.0, 9.0, 9.0, 2.0, 1.0, 0.0],
+                       [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                       [0.0, 3.0, 9.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0],
+                       [1.0, 9.0, 9.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0],  # turn, tool result, answer, padding
+                         [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # one turn
+                         [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                         [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    # token rewards (kl_coef 0.1) on the 1s only, the score added at the last 1:
+    # row 0: [-.05, 0, -.1, ., ., ., -.2, -.1 + 1, 0] -> returns [.55, .6, .6, .7, .7, .7, .7, .9, 0]
+    # row 1: [-.1, -.1 + 2] -> [1.8, 1.9]; row 2: [0, -.3, ., -.1, -.2 + .5] -> [-.1, -.1, .2, .2, .3]
+    # row 3: [-.1, ., ., -.1 + 4] -> [3.8, 3.9, 3.9, 3.9]; baselines (k = 2): the other sample's first return
+    advantages = rloo.token_level_advantages(scores, kl, mask, kl_coef=0.1, k=2)
+    returns = torch.tensor([[.55, .6, .6, .7, .7, .7, .7, .9, 0], [1.8, 1.9, 0, 0, 0, 0, 0, 0, 0],
+                            [-.1, -.1, .2, .2, .3, 0, 0, 0, 0], [3.8, 3.9, 3.9, 3.9, 0, 0, 0, 0, 0]])
+    baselines = torch.tensor([1.8, .55, 3.8, -.1])[:, None]
+    assert torch.allclose(advantages, (returns - baselines) * mask, atol=1e-6)
+    assert advantages[0, 6:8].tolist() == pytest.approx([0.7 - 1.8, 0.9 - 1.8])  # the answer after the tool result
+
+
 def test_clipped_surrogate_against_hand_values():
     logps = torch.tensor([[0.0, -1.0], [-2.0, -1.0]])
     old = torch.tensor([[-0.5, -1.0], [-1.0, -1.0]])
