@@ -114,6 +114,8 @@ class Args:
     """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
     max_tool_calling_iterations: int | None = None
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
+    tool_timeout: float = 60.0
+    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -375,8 +377,8 @@ def main(args: Args):
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
                                f"{sizes} / num_generations {args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, args.dynamic_sampling)
-             if args.tools or args.environment_factory else None)  # multi-turn episodes (common/episodes.py)
+    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, args.dynamic_sampling,
+                        args.tool_timeout) if args.tools or args.environment_factory else None)  # common/episodes.py
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),

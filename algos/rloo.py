@@ -107,6 +107,8 @@ class Args:
     """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
     max_tool_calling_iterations: int | None = None
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
+    tool_timeout: float = 60.0
+    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -359,7 +361,7 @@ def main(args: Args):
                                f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
                                f"{args.num_mini_batches} x {args.world_size} processes / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows)
+    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, timeout=args.tool_timeout)
              if args.tools or args.environment_factory else None)  # multi-turn episodes (common/episodes.py)
     lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                  target_modules=args.lora_target_modules) if args.use_peft else None)

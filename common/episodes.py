@@ -1,7 +1,8 @@
 """Multi-turn episodes for the online scripts (--tools, --environment_factory), in the contract of TRL's GRPO
 trainer: the model writes a turn; the tool calls in it (parsed in the chat template's format) run as
-`fn(**arguments)` and come back as {"role": "tool", "name", "content": str(result)} messages (a failure as
-str({"error": ...}), counted, never a crash); then the model writes its next turn. A turn without a call ends the
+`fn(**arguments)` and come back as {"role": "tool", "name", "content": str(result)} messages (a failure, or a tool
+that has not answered within --tool_timeout seconds, as str({"error": ...}), counted, never a crash or a hang); then
+the model writes its next turn. A turn without a call ends the
 episode, as do --max_tool_calling_iterations turns with calls, and the episode's tokens reaching
 max_completion_length (a tool result that would pass it is not appended, and the episode counts as truncated).
 Only the model's own tokens are trained (`Samples.model_mask`); tool results and the template's text around them
@@ -10,6 +11,7 @@ are context."""
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +23,9 @@ from common.rewards import import_function
 from common.runtime import UserError
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)  # ChatML / Qwen / Hermes templates
+# Qwen3-Coder / Qwen3.5 write a call's body as <function=name> then <parameter=argument>value</parameter> lines
+XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Tools:
     call_format: str  # "hermes" (<tool_call>{...}</tool_call>) or "llama3" (a bare JSON object)
     environment_class: type | None = None  # what the factory (a class or any callable) returns
     environments: list | None = None
+    timeout: float | None = None  # seconds a call may take (--tool_timeout); None: no limit, called in place
 
     def reward_functions(self) -> list:
         """[(the environment class's name, a reward function calling each episode's get_reward())], if it has one."""
@@ -61,9 +67,12 @@ def schema(fn, where: str) -> dict:
 
 
 def load_tools(tokenizer, function_specs: list[str], environment_factory: str | None, num_episodes: int,
-               rows: list[dict] = (), dynamic_sampling: bool = False) -> Tools:
+               rows: list[dict] = (), dynamic_sampling: bool = False, timeout: float | None = None) -> Tools:
     """--tools and --environment_factory checked against the chat template (it must render tools, in a format
-    whose calls can be parsed) and the data (conversational prompts); else one error."""
+    whose calls can be parsed, and tool results after a turn as an episode appends them: `tool_turn_text`) and the
+    data (conversational prompts); else one error, before any model loads."""
+    if timeout is not None and not timeout >= 0:
+        raise UserError(f"--tool_timeout must be >= 0 seconds (got {timeout}; 0: no limit)")
     if dynamic_sampling or any(not is_conversational(row["prompt"]) for row in rows):
         raise UserError("--tools and --environment_factory need conversational prompts (lists of messages), and no "
                         "--dynamic_sampling (an environment's reset may change a prompt, which it could not rebuild)")
@@ -93,7 +102,8 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
         raise UserError(f"tool calls in the chat template's format ({family}) cannot be parsed; use a template that "
                         "writes <tool_call>{...}</tool_call> (ChatML / Qwen / Hermes, e.g. configs/chatml_tools.jinja) "
                         "or Llama 3's bare JSON (--chat_template_path)")
-    return Tools(functions, schemas, call_format, cls, environments)
+    tool_turn_text(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}])  # as a turn
+    return Tools(functions, schemas, call_format, cls, environments, timeout or None)
 
 
 def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:
@@ -106,7 +116,9 @@ def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:
     calls = []
     for body in bodies:
         try:
-            call = json.loads(body)
+            xml = XML_FUNCTION.match(body)
+            call = json.loads(body) if xml is None else {"name": xml[1].strip(), "arguments": {
+                k.strip(): _value(v) for k, v in XML_PARAMETER.findall(xml[2])}}
             arguments = call.get("arguments", call.get("parameters", {}))
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
             if not isinstance(call["name"], str) or not isinstance(arguments, dict):
@@ -117,29 +129,71 @@ def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:
     return content, calls
 
 
-def call_tool(functions: dict, call: dict) -> tuple[dict, bool]:
-    """(the tool message answering `call`, whether it failed)."""
-    name = call.get("name", "unknown")
+def _value(text: str):
+    """An XML-form argument: JSON when it parses as JSON (numbers, objects), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def call_tool(functions: dict, call: dict, timeout: float | None = None, max_chars: int | None = None):
+    """(the tool message answering `call`, whether it failed). With a timeout the tool runs in a thread of its own,
+    waited for that long: one that hangs is answered as failed and left behind (a daemon thread: Python cannot stop
+    a thread, and the process can still exit). The answer's text is cut to max_chars + 1 characters before anyone
+    tokenises it (a longer one cannot fit: run_episodes)."""
+    name, failed = call.get("name", "unknown"), False
     try:
         if "error" in call:
             raise ValueError(call["error"])
         if name not in functions:
             raise ValueError(f"Tool {name} not found.")
-        return {"role": "tool", "name": name, "content": str(functions[name](**call["arguments"]))}, False
+        if timeout is None:
+            result = functions[name](**call["arguments"])
+        else:
+            answer = {}
+            worker = threading.Thread(target=_answer, args=(functions[name], call["arguments"], answer), daemon=True,
+                                      name=f"tool {name}")
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive():
+                raise TimeoutError(f"tool {name} did not answer within {timeout:g} s (--tool_timeout)")
+            if "error" in answer:
+                raise answer["error"]
+            result = answer["result"]
+        text = result if isinstance(result, str) else str(result)
     except Exception as e:  # the model's arguments, or the tool itself
-        return {"role": "tool", "name": name, "content": str({"error": str(e)})}, True
+        text, failed = str({"error": str(e)}), True
+    return {"role": "tool", "name": name, "content": text[:None if max_chars is None else max_chars + 1]}, failed
+
+
+def _answer(fn, arguments: dict, answer: dict):
+    try:
+        answer["result"] = fn(**arguments)
+    except Exception as e:
+        answer["error"] = e
+
+
+REPLY = "REPLY-7c1e"  # a stand-in assistant reply, found again in the renderings
 
 
 def tool_turn_text(tokenizer, tool_messages: list) -> str:
     """What the chat template writes after an assistant turn's end for these tool results, up to and including
-    the next assistant header: the difference between rendering a stand-in conversation with and without them
-    (the assistant turn's end taken without the whitespace after it, as the model stops at its end token)."""
-    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    prefix = tokenizer.apply_chat_template(before, tokenize=False).rstrip()
+    the next assistant header. The turn's end is what the template writes after the reply when the turn is the
+    conversation's last (without the whitespace after it, as the model stops at its end token); what follows it
+    once the tool results come is this text. Only what comes after the reply is compared: a template may render
+    an earlier turn's start differently (Qwen3's original writes an empty <think></think> on the last assistant
+    turn only), which the episode never re-renders (the model's own tokens stay as sampled)."""
+    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": REPLY}]
+    alone = tokenizer.apply_chat_template(before, tokenize=False).rstrip()
     full = tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, tokenize=False)
-    if not full.startswith(prefix):
-        raise UserError("the chat template renders a conversation's start differently once tool results follow")
-    return full[len(prefix):]
+    end = alone[alone.rfind(REPLY) + len(REPLY):]  # e.g. <|im_end|>, <|eot_id|>
+    at = full.rfind(REPLY) + len(REPLY)
+    if REPLY not in alone or REPLY not in full or not full.startswith(end, at):
+        raise UserError("the chat template ends an assistant turn differently once tool results follow (after the "
+                        f"reply: {full[at:at + 30]!r}, alone: {end!r}); its tool turns cannot be appended to the "
+                        "model's tokens: pass --chat_template_path (e.g. configs/chatml_tools.jinja)")
+    return full[at + len(end):]
 
 
 @dataclass
@@ -214,11 +268,15 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
             if not stopped or not parsed or (max_calls is not None and call_turns[i] >= max_calls):
                 finished[i] = stopped  # the episode ends: answered, out of tokens, or out of calls
                 continue
-            functions = tools.for_episode(i)
-            answers = [call_tool(functions, call) for call in parsed]
-            glue = tokenizer(tool_turn_text(tokenizer, [m for m, _ in answers]), add_special_tokens=False).input_ids
+            functions, room = tools.for_episode(i), max_new_tokens - len(ids[i])
+            # no token is near 64 characters long: a result longer than that per token of room cannot fit (and is
+            # never tokenised whole)
+            answers = [call_tool(functions, call, tools.timeout, 64 * room) for call in parsed]
             calls[i], failures[i] = calls[i] + len(answers), failures[i] + sum(failed for _, failed in answers)
             call_turns[i] += 1
+            if any(len(m["content"]) > 64 * room for m, _ in answers):  # no room for the results: truncated
+                continue
+            glue = tokenizer(tool_turn_text(tokenizer, [m for m, _ in answers]), add_special_tokens=False).input_ids
             if len(ids[i]) + len(glue) >= max_new_tokens:  # no room for the results and a reply: truncated
                 continue
             ids[i], own[i], logps[i] = ids[i] + glue, own[i] + [0] * len(glue), logps[i] + [0.0] * len(glue)

@@ -177,6 +177,127 @@ def test_a_template_that_renders_no_tools_is_one_error(tokenizer):
         load_tools(tokenizer, ["tests.toy_tools:multiply"], None, num_episodes=1)
 
 
+# each family's template (tests/templates), its turn end, its call of multiply(12, 3), and what it writes after a
+# turn's end for the tool result 36 up to the next assistant header, by hand from the template
+QWEN_RESULT = "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+LLAMA_RESULT = ("<|start_header_id|>ipython<|end_header_id|>\n\n36<|eot_id|><|start_header_id|>assistant"
+                "<|end_header_id|>\n\n")
+FAMILIES = {
+    "qwen2_5": ("<|im_end|>", CALL.format(12, 3), QWEN_RESULT),
+    "qwen3": ("<|im_end|>", "<think>\nmultiply\n</think>\n\n" + CALL.format(12, 3), QWEN_RESULT),
+    "qwen3_2507": ("<|im_end|>", CALL.format(12, 3), QWEN_RESULT),
+    "qwen3_5": ("<|im_end|>", "Let me multiply.\n</think>\n\n<tool_call>\n<function=multiply>\n<parameter=a>\n12\n"
+                "</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>", QWEN_RESULT + "<think>\n"),
+    "llama3_1": ("<|eot_id|>", '{"name": "multiply", "parameters": {"a": 12, "b": 3}}', LLAMA_RESULT),
+    "llama3_2": ("<|eot_id|>", '{"name": "multiply", "parameters": {"a": 12, "b": 3}}', LLAMA_RESULT),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_template_is_tried_at_start_up_and_appends_tool_results_as_it_renders_them(tokenizer, family):
+    """Each template's turn end is made the tokenizer's EOS (the token the scripted policy stops at). load_tools
+    tries a tool turn at start-up; then an episode calls the tool and answers: its tokens are the model's call, the
+    tool turn as the template writes it, then the answer. Qwen3's original renders the last assistant turn with an
+    empty <think></think> and earlier ones without: before, that passed the start-up check and ended the run at the
+    first tool call ("renders a conversation's start differently")."""
+    end, call, result = FAMILIES[family]
+    tok, eos = tokenizer, end
+    tok.add_special_tokens({"eos_token": end})
+    tok.chat_template = open(os.path.join(ROOT, "tests", "templates", family + ".jinja")).read()
+    tools = load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=1)
+    sample, _ = scripted(tok, [[call, "It is 36."]])
+    episodes = run_episodes(sample, tok, [ROW], tools, seeds=[0], max_new_tokens=300, max_prompt_length=1000,
+                            max_calls=None, prompt_ids=None, accelerator=Processes())
+    s = episodes.samples
+    text = tok.decode(s.completion_ids[0, :int(s.completion_mask[0].sum())])
+    assert text == call + eos + result + "It is 36." + eos
+    assert [m["content"] for m in episodes.completions[0] if m["role"] == "tool"] == ["36"]
+    assert episodes.calls.tolist() == [1] and episodes.failures.tolist() == [0] and s.finished.tolist() == [True]
+
+
+def test_a_template_that_ends_a_turn_differently_before_tool_results_is_refused_at_start_up(tokenizer):
+    tokenizer.chat_template = (  # <|im_end|> after the last assistant turn, <|end|> after an earlier one
+        "{% if tools %}<tool_call> {{ tools | tojson }}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}{{ '<|end|>' if m.role == 'assistant' and not loop.last else '<|im_end|>' }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(UserError, match="ends an assistant turn differently once tool results follow"):
+        load_tools(tokenizer, ["tests.toy_tools:multiply"], None, num_episodes=1)
+
+
+def test_episodes_with_different_room_left_share_a_call_and_each_is_cut_at_its_own_room(chat_tokenizer):
+    """Three episodes in one sampling call: after the first turn one has answered, the other two called the tool
+    with calls of different lengths, so their room differs. The second turn is sampled with the larger room; the
+    episode with less room keeps only its room's tokens of its reply and is not finished (truncated), though the
+    sampler stopped within the larger room; the other's reply fits and ends it."""
+    tok, eos = chat_tokenizer, chat_tokenizer.eos_token
+    tools = load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=3)
+    long_call, short_call = CALL.format(123456789, 987654321), CALL.format(1, 2)
+    reply = "The product is large, as you can see here."
+    sample, calls = scripted(tok, [[long_call, reply], [short_call, reply], ["done"]])
+    n = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    used = [n(long_call + eos + glue("121932631112635269", eos)), n(short_call + eos + glue("2", eos))]
+    budget = used[0] + n(reply + eos) - 3  # episode 0 has 3 tokens too few for its reply, episode 1 enough
+    assert used[1] + 3 <= used[0]
+    episodes = run_episodes(sample, tok, [ROW] * 3, tools, seeds=[0, 1, 2], max_new_tokens=budget,
+                            max_prompt_length=1000, max_calls=None, prompt_ids=None, accelerator=Processes())
+    s = episodes.samples
+    assert [c["max_new_tokens"] for c in calls] == [budget, budget - used[1]]  # the larger room of the two
+    assert len(calls[1]["prompts"]) == 2  # the episode that answered is not sampled again
+    assert s.finished.tolist() == [False, True, True] and episodes.turns.tolist() == [2, 2, 1]
+    assert s.completion_mask.sum(1).tolist() == [budget, used[1] + n(reply + eos), n("done" + eos)]
+    assert s.model_mask[0].sum() == n(long_call + eos) + n(reply + eos) - 3  # its reply cut at its room
+    assert tok.decode(s.completion_ids[1][s.model_mask[1].bool()]) == short_call + eos + reply + eos
+
+
+def test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_is_cut_before_tokenising(
+        chat_tokenizer, monkeypatch):
+    """--tool_timeout: a tool that does not answer within it is answered as failed (counted) and the episode goes
+    on; a result far longer than the room left is cut before it is tokenised, and the episode is truncated."""
+    import threading
+    import time
+    tok, release = chat_tokenizer, threading.Event()
+
+    def hang():
+        release.wait(20)
+
+    def multiply(a: int, b: int):
+        return "9" * 10**7  # ~10 MB of text
+
+    tools = load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=2, timeout=0.5)
+    tools.functions = [multiply, hang]
+    hang_call = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    sample, _ = scripted(tok, [[hang_call, "too slow"], [CALL.format(1, 2), "never"]])
+    huge = []
+    real_tokenizer_call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: (
+        huge.append(len(text)) if isinstance(text, str) and len(text) > 1000 else None,
+        real_tokenizer_call(self, text, *a, **k))[1])
+    start = time.time()
+    episodes = run_episodes(sample, tok, [ROW] * 2, tools, seeds=[0, 1], max_new_tokens=200, max_prompt_length=1000,
+                            max_calls=None, prompt_ids=None, accelerator=Processes())
+    release.set()
+    assert time.time() - start < 10
+    assert episodes.completions[0][1]["content"] == ("{'error': 'tool hang did not answer within 0.5 s "
+                                                     "(--tool_timeout)'}")
+    assert episodes.failures.tolist() == [1, 0] and episodes.calls.tolist() == [1, 1]
+    assert episodes.samples.finished.tolist() == [True, False] and episodes.turns.tolist() == [2, 1]
+    assert huge == []  # nothing of the huge result was tokenised
+
+
+def test_an_error_line_carries_the_rank_when_there_are_several_processes(monkeypatch, capsys):
+    from common.runtime import exit_on_user_error
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr("common.runtime.end_processes", lambda: None)
+    with pytest.raises(SystemExit) as stopped, exit_on_user_error():
+        raise UserError("--tool_timeout must be >= 0 seconds (got -1; 0: no limit)")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "[rank 1] error: --tool_timeout must be >= 0 seconds (got -1; 0: no limit)\n"
+    with pytest.raises(ZeroDivisionError), exit_on_user_error():
+        1 / 0
+    assert capsys.readouterr().err == "[rank 1] error: ZeroDivisionError: division by zero (traceback below)\n"
+
+
 TURNS = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.format(6, 2), "12"]}  # 0, 1, 2 calls
 
 
