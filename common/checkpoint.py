@@ -43,6 +43,47 @@ DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler:LossScaler", "deepspeed
                      "deepspeed.utils.tensor_fragment:fragment_address")
 
 
+# what torch.distributed.checkpoint (torch 2.13) pickles into the `.metadata` file of an FSDP2 sharded state
+# dict (model and optimizer, as accelerate saves them), found by reading real ones with pickletools; a torch
+# dtype is admitted by its type. DCP's reader unpickles the file in full (FileSystemReader.read_metadata).
+DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                              "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch": {"Size"},
+    "torch.serialization": {"_get_layout"}, "pathlib": {"PosixPath", "WindowsPath"}}  # the save's checkpoint_id
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata classes only: any other global (a function to call, a class) is refused
+    unloaded. https://docs.python.org/3/library/pickle.html#restricting-globals"""
+
+    def find_class(self, module, name):
+        if name in DCP_METADATA_CLASSES.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+def unsafe_metadata(path: str) -> str | None:
+    """What is wrong with the first DCP `.metadata` file under checkpoint `path` (None: nothing, or none there)."""
+    for root, _, files in sorted(os.walk(path, followlinks=True)):  # a linked folder too
+        for name in sorted(f for f in files if f.endswith(".metadata")):  # also DCP's per-rank __<r>.metadata
+            file = os.path.join(root, name)
+            try:
+                with open(file, "rb") as f:
+                    DCPMetadataUnpickler(f).load()
+            except RefusedGlobal as e:
+                return f"holds pickled code, not only data ({os.path.relpath(file, path)} calls {e})"
+            except Exception as e:  # truncated, not a pickle: DCP would fail with a traceback
+                return f"is damaged ({os.path.relpath(file, path)}: {type(e).__name__}: {e})"
+    return None
+
+
 class Checkpointer:
     """<output_dir>/checkpoints/step_<n>: accelerate's state (model, optimizer, scheduler, every process's
     RNGs) and the loop's state (a dict: counters, anything carried between steps), written aside and
@@ -84,10 +125,15 @@ class Checkpointer:
                 raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'" + (self.saved() and
                                 f" is on every machine (this one has {', '.join(self.saved())})" or ""))
             path = os.path.join(self.root, max(everywhere, key=lambda d: int(d[5:])))
-        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")  # one missing: all ranks stop
-        if missing := [r for r, ok in enumerate(gather_object([os.path.isfile(rank_file)])) if not ok]:
+        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
+        # each rank checks its own files (without a shared file system, another copy): one bad, all ranks stop
+        verdicts = gather_object([(os.path.isfile(rank_file), unsafe_metadata(path))])
+        if missing := [r for r, (ok, _) in enumerate(verdicts) if not ok]:
             raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
                             f"process(es) (no loop_state_{missing[0]}.pt)")
+        if bad := next(((r, v) for r, (_, v) in enumerate(verdicts) if v), None):  # before DCP unpickles in full
+            by = f", as read by process {bad[0]}" if self.accelerator.num_processes > 1 else ""
+            raise UserError(f"'{path}' {bad[1]}{by}; it was not loaded")
         # no file of a checkpoint may run code: torch's weights-only unpickler also where accelerate (the
         # registered scheduler) and DeepSpeed would unpickle in full
         deepspeed_classes = [pkgutil.resolve_name(c) for c in DEEPSPEED_CLASSES] if self.engine else []

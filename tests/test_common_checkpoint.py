@@ -12,6 +12,7 @@ two machines simulated by threads, with and without a shared file system."""
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -369,3 +370,105 @@ def test_two_machines_without_a_shared_file_system_resume_from_the_same_step(tmp
     a, b = weights(full[0]), weights(cut[0])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert records(cut[0]) == records(full[0])
+
+
+def test_steps_past_9_are_ordered_by_number_when_pruned_and_resumed(tmp_path, monkeypatch):
+    """step_10 sorts before step_9 as a string: the newest --save_total_limit must be kept by number, and
+    `latest` must be step_11, not step_9 (the bigger string)."""
+    kept = on_two_machines(tmp_path, monkeypatch, True, saving(2, 9, 10, 11), save_total_limit=3)
+    assert kept == [["step_9", "step_10", "step_11"]] * 4
+    assert sorted(os.listdir(tmp_path / "shared" / "checkpoints")) == ["step_10", "step_11", "step_9"]
+
+    def resume(ck, rank):
+        return ck.resume()["step"], rank.loaded
+    assert on_two_machines(tmp_path, monkeypatch, True, resume, resume_from="latest") == [
+        (11, str(tmp_path / "shared" / "checkpoints" / "step_11"))] * 4
+
+
+def dcp_checkpoint(path):
+    """The two DCP folders accelerate writes for an FSDP2 model (SHARDED_STATE_DICT), in one process: a model's
+    weights, and its AdamW state after a step (tensors, and plain values such as lr and betas)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2, bias=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    for name, state in (("pytorch_model_fsdp_0", {"model": get_model_state_dict(model)}),
+                        ("optimizer_0", {"optimizer": get_optimizer_state_dict(model, optimizer)})):
+        dcp.save(state, checkpoint_id=path / name, no_dist=True)
+    return model
+
+
+class Runs:
+    """Pickled, a call of `function(*args)` made when it is unpickled."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def crafted(marker):
+    """Ways a `.metadata` file could write `marker` when unpickled: a shell command, Python code, torch functions
+    (the last one changes torch's default dtype instead, a global of module `torch`, where dtypes are admitted)."""
+    return {"os.system": Runs(os.system, f"touch '{marker}'"),
+            "exec": Runs(exec, f"open({str(marker)!r}, 'w').close()"), "torch.save": Runs(torch.save, {}, str(marker)),
+            "torch.set_default_dtype": Runs(torch.set_default_dtype, torch.float64)}
+
+
+ONE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as meant
+
+
+@ONE_PROCESS
+@pytest.mark.parametrize("how", ["os.system", "exec", "torch.save", "torch.set_default_dtype"])
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path, how):
+    """accelerate loads an FSDP2 checkpoint through torch.distributed.checkpoint, whose reader unpickles each
+    `.metadata` in full: a real one (model and optimizer) passes the check and loads; one holding besides its
+    metadata a call that writes a file is refused with nothing run; so is a damaged one."""
+    import torch.distributed.checkpoint as dcp
+
+    model, marker = dcp_checkpoint(tmp_path), tmp_path / "marker"
+    assert checkpoint.unsafe_metadata(str(tmp_path)) is None
+    state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=tmp_path / "pytorch_model_fsdp_0", no_dist=True)
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    file = tmp_path / "pytorch_model_fsdp_0" / ".metadata"
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)  # the test's own file
+    metadata.planner_data = crafted(marker)[how]  # the real metadata, and a call among its fields
+    with open(file, "wb") as f:
+        pickle.dump(metadata, f)
+    called = {"os.system": f"{os.system.__module__}.system", "exec": "builtins.exec",  # posix.system on Linux
+              "torch.save": "torch.serialization.save"}.get(how, how)  # a module whose _get_layout is admitted
+    try:
+        assert checkpoint.unsafe_metadata(str(tmp_path)) == (
+            f"holds pickled code, not only data (pytorch_model_fsdp_0/.metadata calls {called})")
+        assert not marker.exists() and torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+    file.write_bytes(file.read_bytes()[:100])
+    assert checkpoint.unsafe_metadata(str(tmp_path)) == ("is damaged (pytorch_model_fsdp_0/.metadata: UnpicklingError: "
+                                                         "pickle data was truncated)")
+
+
+@ONE_PROCESS
+def test_dcp_metadata_that_would_run_code_on_one_machine_stops_every_rank(tmp_path, monkeypatch):
+    """Without a shared file system machine 1's copy of the checkpoint may be the crafted one: every rank must
+    stop with the same line before loading anything (a rank going on to load would wait for the others forever)."""
+    on_two_machines(tmp_path, monkeypatch, False, saving(1))
+    for m in (0, 1):
+        dcp_checkpoint(tmp_path / f"machine{m}" / "checkpoints" / "step_1")
+    marker, file = tmp_path / "marker", tmp_path / "machine1" / "checkpoints" / "step_1" / "optimizer_0" / ".metadata"
+    with open(file, "wb") as f:
+        pickle.dump(crafted(marker)["os.system"], f)
+
+    def resume(ck, rank):
+        return ck.resume(), rank.loaded
+    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
+    assert [str(e) for e in errors] == [
+        f"'{tmp_path / f'machine{i // 2}' / 'checkpoints' / 'step_1'}' holds pickled code, not only data (optimizer_0/"
+        f".metadata calls {os.system.__module__}.system), as read by process 2; it was not loaded" for i in range(4)]
+    assert not marker.exists()

@@ -3,13 +3,15 @@
 turns FSDP on there, which accelerate does for accelerators only). As in test_deepspeed.py, each run
 has its evaluation, sample tables (generation with gathered weights), a checkpoint after step 1 and the
 final save on, and must log the 1-process run's losses and save its weights; the online scripts are
-also resumed from step 1 and must end where they ended.
+also resumed from step 1 and must end where they ended; and a step whose `.metadata` files were replaced by
+a pickle that runs a command is refused on resume, the command not run.
 
 Not in the default run (~6 min on 2 cores): `python -m pytest -m fsdp`; .ci/run runs it together with
 the DeepSpeed tests, so that both compare against the same 1-process runs. The last test (LoRA's
 reference first under bf16 mixed precision, one process, no script launched) is in the default run."""
 
 import os
+import pickle
 import sys
 import types
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
+from tests.test_common_checkpoint import crafted
 from tests.test_deepspeed import (EVERYTHING_ON, OFFLINE, assert_matches_one_process, assert_same_losses,
                                   assert_sharded_all_the_way, probed, saved_weights)
 from tests.test_multiprocess import CASES, TOLERANCE, TWO_PROCESSES, model_flags, one_process_run
@@ -111,3 +114,24 @@ def test_tr_dpo_two_processes_match_one_process_and_resume(tmp_path, sft_model, 
     assert_same_losses(read_log(str(tmp_path / "resumed")), log, ["loss"], [2, 3])
     resumed = saved_weights(str(tmp_path / "resumed"), "dpo")
     assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+
+
+@pytest.mark.fsdp
+def test_fsdp2_checkpoint_whose_metadata_would_run_code_is_not_loaded(tmp_path, tiny_model):
+    """accelerate loads an FSDP2 checkpoint with torch.distributed.checkpoint, whose reader unpickles its
+    `.metadata` files in full: a step 1 whose two (model, optimizer) are replaced by a pickle running a shell
+    command must stop both ranks with one line each, the command not run (before: run, then a traceback)."""
+    flags = ["algos/sft.py", "--max_steps", "2", "--save_steps", "1", "--dataset_test_split", "",
+             "--per_device_train_batch_size", "2"]
+    run_script(*flags, "--max_steps", "1", "--output_dir", str(tmp_path / "out"), launcher=LAUNCHER, env=ON_CPU)
+    step, marker = tmp_path / "out" / "checkpoints" / "step_1", tmp_path / "marker"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        with open(step / part / ".metadata", "wb") as f:
+            pickle.dump(crafted(marker)["os.system"], f)
+    proc = run_script(*flags, "--output_dir", str(tmp_path / "new"), "--resume_from_checkpoint", str(step),
+                      launcher=LAUNCHER, env=ON_CPU, check=False, timeout=300)
+    errors = sorted(line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line)
+    assert proc.returncode != 0 and errors == [
+        f"[rank {r}] error: '{step}' holds pickled code, not only data (optimizer_0/.metadata calls "
+        f"{os.system.__module__}.system), as read by process 0; it was not loaded" for r in (0, 1)], proc.stderr[-3000:]
+    assert not marker.exists() and not (tmp_path / "new" / "logs").exists()
