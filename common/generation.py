@@ -110,17 +110,26 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
     synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and any(
         isinstance(p, DTensor) or getattr(p, "ds_status", None) is not None and p.ds_status.name == "NOT_AVAILABLE"
         for p in model.parameters())  # a ZeRO-3 or FSDP2 shard
+    starts = list(range(0, len(prompts), batch_size))
+    if synced:  # ranks may hold different numbers of prompts (episodes' later turns, GKD's on-policy ones): each makes
+        # as many chunks' model calls (every forward a collective) as the rank with the most; None: a throwaway chunk,
+        # the first prompt alone, its output dropped
+        most = torch.tensor(len(starts), device=device)
+        torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX)
+        starts += [None] * (int(most) - len(starts))
     chunks = []
-    for i in range(0, len(prompts), batch_size):
-        ids, mask = prompt_ids[i:i + batch_size].to(device), prompt_mask[i:i + batch_size].to(device)
-        sampler = ([SeededSampler(seeds[i:i + batch_size], device, temperature=temperature, top_k=top_k, top_p=top_p,
+    for i in starts:
+        rows = slice(0, 1) if i is None else slice(i, i + batch_size)
+        ids, mask = prompt_ids[rows].to(device), prompt_mask[rows].to(device)
+        sampler = ([SeededSampler(seeds[rows], device, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p, max_new_tokens=max_new_tokens)] if temperature > 0 else [])
         # the samples of one prompt share its prefill: generate continues from the prompt's cache
         cache = shared_prefix_cache(model, ids, mask, ids.shape[1] - 1, logits_to_keep=1)
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=sampler,
                              synced_gpus=synced, **({CACHE: cache} if cache is not None else {}))
-        chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
-                            value=tokenizer.pad_token_id))
+        if i is not None:
+            chunks.append(F.pad(out[:, ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - ids.shape[1])),
+                                value=tokenizer.pad_token_id))
     model.train(was_training)
     return Samples(prompt_ids.to(device), prompt_mask.to(device),
                    *truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id))
