@@ -3,9 +3,9 @@
 colocate: a `vllm.LLM` inside each training process (or one per group of --vllm_tensor_parallel_size
     processes); the policy's weights go in one parameter at a time (each gathered alone under ZeRO-3 and
     FSDP2) through vLLM's in-place `reload_weights`.
-server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'` on other
-    GPUs or another machine; completions over HTTP, weights over NCCL with vLLM's weight-transfer engine, in a
-    group whose rendezvous trainer rank 0 opens at --vllm_group_host.
+server: `VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}'
+    --logprobs-mode processed_logprobs` on other GPUs or another machine; completions over HTTP, weights over NCCL
+    with vLLM's weight-transfer engine, in a group whose rendezvous trainer rank 0 opens at --vllm_group_host.
 The policy always recomputes the training logprobs; the sampler's only feed the mismatch correction."""
 
 import contextlib
@@ -89,18 +89,42 @@ def address_towards(host: str, port: int) -> str:
         return connection.getsockname()[0]
 
 
+SERVE = ("VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config '{\"backend\": \"nccl\"}' "
+         "--logprobs-mode processed_logprobs")  # the server mode's server (docs/scaling.md)
+
+
+def server_logprobs_mode(url: str) -> str | None:
+    """The server's logprobs_mode (vLLM's ModelConfig field) from its dev-mode /server_info in JSON, as vLLM >= 0.32
+    serves it: {"vllm_config": {"model_config": {"logprobs_mode": ...}}}; None where it does not say."""
+    try:
+        return _get(f"{url}/server_info?config_format=json", timeout=30)["vllm_config"]["model_config"]["logprobs_mode"]
+    except (OSError, ValueError, KeyError, TypeError):  # no such endpoint, not JSON, the text form, another layout
+        return None
+
+
 def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
-    """(URL, number of its workers) of the vLLM server, waiting up to `timeout` seconds for it."""
+    """(URL, number of its workers) of the vLLM server, waiting up to `timeout` seconds for it, once it reports the
+    log-probabilities colocated engines give: processed, i.e. of the distribution sampled from (after temperature
+    and top-k/top-p/min-p), which --vllm_importance_sampling_cap and --max_staleness's weight divide by. vLLM's
+    default, raw_logprobs (softmax at temperature 1, untruncated), would bias both; a server that does not report its
+    mode is refused as well, since the corrections could not be trusted (server mode needs the dev mode that serves
+    /server_info anyway)."""
     url, deadline = f"http://{host}:{port}", time.time() + timeout
     while True:
         try:
-            return url, _get(f"{url}/get_world_size", timeout=5)["world_size"]
+            workers = _get(f"{url}/get_world_size", timeout=5)["world_size"]
+            break
         except OSError:
             if time.time() > deadline:
-                raise UserError(f"no vLLM server answered at {url} within {timeout:.0f} s; start one with "
-                                "`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
-                                "'{\"backend\": \"nccl\"}'` (common/vllm.py) or raise --vllm_server_timeout") from None
+                raise UserError(f"no vLLM server answered at {url} within {timeout:.0f} s; start one with `{SERVE}` "
+                                "(common/vllm.py) or raise --vllm_server_timeout") from None
             time.sleep(1)
+    if (mode := server_logprobs_mode(url)) != "processed_logprobs":
+        said = f"reports logprobs_mode {mode}" if mode else "does not report its logprobs_mode at /server_info"
+        raise UserError(f"the vLLM server at {url} {said}; the sampler's log-probabilities must be processed_logprobs "
+                        f"(of the distribution sampled from, after temperature and top-k/top-p/min-p): start it with "
+                        f"`{SERVE}`")
+    return url, workers
 
 
 def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
@@ -273,7 +297,7 @@ class VLLMSampler:
             self.llm.collective_rpc("reload_weights", kwargs={
                 "weights_iterator": full_parameters(self.accelerator, model), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached prompt states came from the old weights
-            self.needs_push = False
+        self.needs_push = False  # both modes: until the next version (server mode pushed at every sample() before)
         self.push_seconds = time.time() - start  # logged as vllm/push_seconds
         return self.push_seconds
 
@@ -301,19 +325,19 @@ class VLLMSampler:
                 raise RuntimeError("sleep level 2 dropped the engine's weights: push_weights before generate")
             if self.enable_sleep_mode:  # vLLM schedules nothing until every tag is awake
                 self.llm.wake_up(tags=None if self.weights_asleep else ["kv_cache"])
-            mine = slice(0, len(prompts))
-            if self.tp > 1:  # the group's engine samples every rank's prompts, each with its own seed
+            mine, group = slice(0, len(prompts)), [(prompts, seeds, params)]
+            if self.tp > 1:  # the group's engine samples every rank's prompts, each with its own seed and its own
+                # rank's options (multi-turn: each rank's remaining budget as max_tokens), so that every rank asks
+                # the engine the same requests, as vLLM's external launcher needs (else its collectives mismatch)
                 group = [None] * self.tp
-                torch.distributed.all_gather_object(group, (prompts, seeds), group=self.group)
-                start = sum(len(p) for p, _ in group[:torch.distributed.get_rank(self.group)])
+                torch.distributed.all_gather_object(group, (prompts, seeds, params), group=self.group)
+                start = sum(len(p) for p, _, _ in group[:torch.distributed.get_rank(self.group)])
                 mine = slice(start, start + len(prompts))
-                prompts, seeds = [p for ps, _ in group for p in ps], [s for _, ss in group for s in ss]
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                        [self.vllm.SamplingParams(seed=s, **params) for s in seeds],
+            outputs = self.llm.generate([{"prompt_token_ids": p} for ps, _, _ in group for p in ps],
+                                        [self.vllm.SamplingParams(seed=s, **o) for _, ss, o in group for s in ss],
                                         use_tqdm=False)[mine]
             results = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
                        for o in outputs]
-            prompts = prompts[mine]
             if self.enable_sleep_mode:
                 self.sleep()
         device = self.accelerator.device

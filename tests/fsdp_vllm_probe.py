@@ -5,7 +5,8 @@ plain|lora): pushes the sharded policy's weights into the recording stand-ins fo
 writes the policy's weights before they were sharded (with LoRA its base and adapter weights), from which
 the test works out what must arrive. With a plain policy also: --vllm_tensor_parallel_size 2, both ranks
 sharing one engine, which samples both ranks' prompts (each with its seed); each rank writes what its
-engine was asked and the completions it got back."""
+engine was asked and the completions it got back; then the same for multi-turn episodes with tools
+(tests/stand_in_vllm.py's tp_episodes), every generate call's requests on each rank."""
 
 import os
 import sys
@@ -51,4 +52,14 @@ if kind == "plain":  # the engine answers [the prompt's last token, the seed], s
     engine = vllm.LLM.last
     torch.save({"asked": engine.prompts, "seeds": [q.seed for q in engine.params], "got": ids.tolist(),
                 "tensor_parallel_size": engine.kwargs["tensor_parallel_size"]}, f"{out}/tp{rank}.pt")
+    # multi-turn episodes (tests/stand_in_vllm.py's TP_EPISODES), whose budgets differ between the ranks from turn 2
+    tokenizer = stand_in_vllm.chat_tokenizer(tokenizer)
+    sampler = common_vllm.VLLMSampler(accelerator, model_path, 1024,
+                                      **vllm_options(dtype="float32", tensor_parallel_size=2))
+    sampler.llm.completion_of = stand_in_vllm.scripted(tokenizer, stand_in_vllm.TP_EPISODES[0]
+                                                       | stand_in_vllm.TP_EPISODES[1])
+    sample = common_vllm.sample_with(accelerator, model, tokenizer, sampler, gather=False, generate=None)
+    samples = stand_in_vllm.tp_episodes(sample, tokenizer, rank, accelerator).samples
+    torch.save({"requests": sampler.llm.requests, "samples": {k: getattr(samples, k).cpu() for k in (
+        "completion_ids", "completion_mask", "model_mask", "finished")}}, f"{out}/tp_episodes{rank}.pt")
 end_processes()  # every rank waits, then leaves without the interpreter's teardown (common/runtime.py)

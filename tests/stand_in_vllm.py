@@ -1,10 +1,15 @@
 """Stand-ins for vLLM, for tests without it: its engine (`vllm.LLM`) and the weight-transfer classes of
 server mode, which record what the sampler calls and copy every weight pushed into them, as vLLM's
-loader copies each into a plain tensor of its own. Used by tests/test_common_vllm.py in-process and by
-tests/fsdp_vllm_probe.py under FSDP2."""
+loader copies each into a plain tensor of its own; a `vllm serve` answering HTTP (Server); scripted multi-turn
+completions, and the episodes of a tensor-parallel group of 2 (tp_episodes). Used by tests/test_common_vllm.py
+in-process and by tests/fsdp_vllm_probe.py under FSDP2."""
 
+import json
+import os
+import threading
 import types
 import weakref
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import torch
@@ -23,13 +28,16 @@ def receive(weights) -> tuple[dict, int]:
 
 
 class FakeLLM:
-    """Stands in for vllm.LLM: records the calls and which sleep-mode tags are awake; every
-    completion is `completion`."""
+    """Stands in for vllm.LLM: records the calls (the prefix-cache resets too), which sleep-mode tags are awake, the
+    log-probability mode it was built with (vLLM's default when none: raw_logprobs) and every generate call's
+    requests (`requests`: per call [(prompt ids, SamplingParams as a dict)]); every completion is `completion`
+    (or completion_of's), cut at its request's max_tokens as vLLM cuts it."""
 
     completion = [6, 7]
 
     def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
+        self.kwargs, self.calls, self.awake, self.requests = kwargs, [], {"weights", "kv_cache"}, []
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         type(self).last = self
 
     def sleep(self, level=1):
@@ -49,14 +57,15 @@ class FakeLLM:
         self.reloaded = list(self.received)
 
     def reset_prefix_cache(self):
-        pass
+        self.calls.append("reset_prefix_cache")
 
     def generate(self, prompts, params, use_tqdm=True):
         asleep = {"weights", "kv_cache"} - self.awake
         assert not asleep, f"generate with {sorted(asleep)} asleep: {self.calls}"
         self.calls.append("generate")
         self.prompts, self.params = [p["prompt_token_ids"] for p in prompts], params
-        completions = [self.completion_of(p, q.seed) for p, q in zip(self.prompts, params)]
+        self.requests.append([(p, dict(vars(q))) for p, q in zip(self.prompts, params)])
+        completions = [list(self.completion_of(p, q.seed))[:q.max_tokens] for p, q in zip(self.prompts, params)]
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=c, logprobs=[{t: SimpleNamespace(logprob=-1.0)}
                                                                                  for t in c])]) for c in completions]
 
@@ -97,3 +106,98 @@ def install(put) -> types.ModuleType:
         module.__dict__.update({} if module is attrs else attrs)
         put(name, module)
     return vllm
+
+
+def scripted(tokenizer, replies: dict):
+    """completion_of(prompt, seed) of a scripted policy: episode e's turn k (seed e + k * 2**48, as run_episodes
+    seeds a turn) is replies[e][k] then EOS; a turn no episode has gets a filler."""
+    def completion_of(prompt, seed):
+        turns, k = replies.get(seed % 2**48, []), seed // 2**48
+        text = turns[k] if k < len(turns) else "(a turn no episode here needs)"
+        return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    return completion_of
+
+
+class Server:
+    """`vllm serve` standing in on 127.0.0.1 (a thread, `with Server(...) as server`, at server.port): the dev-mode
+    /get_world_size and /server_info in its JSON form ({"vllm_config": {"model_config": {"logprobs_mode"}}}; None:
+    no /server_info, 404), /v1/models, and /v1/completions for token-id prompts: complete(prompt, seed) cut at
+    max_tokens, each token's logprob -0.5. `completions` records the completion requests' bodies."""
+
+    def __init__(self, logprobs_mode: str | None = "processed_logprobs", workers: int = 1,
+                 complete=lambda prompt, seed: [6, 7]):
+        self.logprobs_mode, self.workers, self.complete, self.completions = logprobs_mode, workers, complete, []
+
+    def answer(self, path: str, body: dict | None):
+        if path == "/get_world_size":
+            return {"world_size": self.workers}
+        if path == "/server_info?config_format=json" and self.logprobs_mode:
+            return {"vllm_config": {"model_config": {"model": "stand-in", "logprobs_mode": self.logprobs_mode}}}
+        if path == "/v1/models":
+            return {"object": "list", "data": [{"id": "stand-in", "object": "model"}]}
+        if path == "/v1/completions" and body is not None:
+            self.completions.append(body)
+            ids = list(self.complete(body["prompt"], body["seed"]))[:body["max_tokens"]]
+            return {"choices": [{"index": 0, "token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]}
+        return None
+
+    def __enter__(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def reply(self, body):
+                out = server.answer(self.path, body)
+                data = json.dumps(out if out is not None else {"detail": "Not Found"}).encode()
+                self.send_response(200 if out is not None else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply(None)
+
+            def do_POST(self):
+                self.reply(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+CALL = '<tool_call>\n{{"name": "multiply", "arguments": {{"a": {}, "b": {}}}}}\n</tool_call>'
+# the episodes of a tensor-parallel group of 2, by seed: rank 0's episode 0 calls twice, then answers (3 turns);
+# rank 1's episode 10 calls once, then writes more than is left of its budget (truncated), its episode 11 answers
+# at once: on turn 2 the ranks have different budgets left, on turn 3 rank 1 has no episode going (one token)
+TP_EPISODES = ({0: [CALL.format(12, 3), CALL.format(36, 2), "It is 72."]},
+               {10: [CALL.format(123456, 789), "one two three four five six seven eight nine ten " * 10],
+                11: ["No tool is needed: 42."]})
+TP_BUDGET, TP_SAMPLING = 300, dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.0)
+
+
+def chat_tokenizer(tokenizer):
+    """The tiny tokenizer with configs/chatml_tools.jinja, its turns ended by its EOS (tests/test_episodes.py)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tokenizer.chat_template = open(os.path.join(root, "configs", "chatml_tools.jinja")).read().replace(
+        "<|im_end|>", tokenizer.eos_token)
+    return tokenizer
+
+
+def tp_episodes(sample, tokenizer, rank: int, accelerator):
+    """Rank `rank`'s episodes of TP_EPISODES (tool: tests.toy_tools:multiply), sampled by `sample` as the scripts'
+    run_episodes calls it (max_completion_length TP_BUDGET, TP_SAMPLING's options); tokenizer: chat_tokenizer's."""
+    from common.episodes import load_tools, run_episodes
+
+    seeds = list(TP_EPISODES[rank])
+    tools = load_tools(tokenizer, ["tests.toy_tools:multiply"], None, num_episodes=len(seeds))
+    rows = [{"prompt": [{"role": "user", "content": f"What is 12 * 3 * 2? (episode {seed})"}]} for seed in seeds]
+    return run_episodes(sample, tokenizer, rows, tools, prompt_ids=None, seeds=seeds, max_new_tokens=TP_BUDGET,
+                        max_prompt_length=1000, max_calls=None, accelerator=accelerator, **TP_SAMPLING)

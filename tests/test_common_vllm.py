@@ -1,7 +1,10 @@
 """common/vllm.py without vLLM: the LoRA weight push, and the sampler's calls into stand-ins for
 vLLM's engine (sleep mode, stop tokens) and weight-transfer classes (server mode, several ranks)."""
 
+import copy
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -9,13 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common.generation import CACHE, generate, stop_token_ids, truncate_at_stop
-from common.models import load_policy
+from common.models import load_policy, load_tokenizer
 from common import vllm as common_vllm
 from common.runtime import UserError
-from common.vllm import VLLMSampler, _hf_parameters, full_parameters
+from common.vllm import VLLMSampler, _hf_parameters, full_parameters, sample_with, wait_for_server
 from tests import stand_in_vllm
 from tests.conftest import run_script, sampling_logprobs, vllm_options
-from tests.stand_in_vllm import FakeLLM
+from tests.stand_in_vllm import TP_BUDGET, TP_EPISODES, TP_SAMPLING, FakeLLM, Server, chat_tokenizer, scripted
 from tests.test_sft import read_log
 
 
@@ -87,7 +90,8 @@ def test_sleep_mode_wakes_the_weights_before_sampling(fake_vllm, tiny_model, tok
             assert FakeLLM.last.reloaded == [n for n, _ in policy.named_parameters()]
         sample(sampler, tokenizer, [[10, 11, 12]])
         assert FakeLLM.last.awake == set(), "the engine keeps its memory between rollouts"
-    rollout = ["wake_up ['weights']", "reload_weights", "wake_up ['kv_cache']", "generate", f"sleep {level}"]
+    rollout = ["wake_up ['weights']", "reload_weights", "reset_prefix_cache", "wake_up ['kv_cache']", "generate",
+               f"sleep {level}"]
     if level == 2:
         assert FakeLLM.last.calls == ["sleep 2"] + rollout * 4
     else:  # the second rollout of step 1 samples with the weights pushed for the first
@@ -195,7 +199,8 @@ def test_fsdp2_push_sends_every_full_weight_one_at_a_time(tmp_path, tiny_model, 
     push. Now every rank's engine (colocate) and the server's weight source receive each weight whole, as
     the unsharded policy holds it (with LoRA: base + lora_alpha / r x B @ A, worked out here), one gathered
     parameter alive at a time. With a plain policy also --vllm_tensor_parallel_size 2: one engine for both
-    ranks samples both ranks' prompts with their own seeds, and each rank gets its own completions back."""
+    ranks samples both ranks' prompts with their own seeds, and each rank gets its own completions back; with
+    multi-turn episodes both ranks ask it the same requests on every turn (check_tp_episodes)."""
     if kind == "lora":
         pytest.importorskip("peft")
     from tests.test_fsdp import LAUNCHER, ON_CPU
@@ -226,13 +231,21 @@ def test_fsdp2_push_sends_every_full_weight_one_at_a_time(tmp_path, tiny_model, 
             tp = torch.load(tmp_path / f"tp{rank}.pt")
             assert tp["asked"] == asked and tp["seeds"] == [100, 101, 110, 111, 112] and tp["tensor_parallel_size"] == 2
             assert tp["got"] == [[prompt[-1], seed] for prompt, seed in zip(asked[own], tp["seeds"][own])], rank
+        episodes = [torch.load(tmp_path / f"tp_episodes{rank}.pt") for rank in (0, 1)]
+        check_tp_episodes(chat_tokenizer(load_tokenizer(tiny_model)), [e["requests"] for e in episodes],
+                          [SimpleNamespace(**e["samples"]) for e in episodes])
 
 
 def test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused(fake_vllm, tiny_model):
     sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=64,
                           **vllm_options(max_num_batched_tokens=2048))
     assert FakeLLM.last.kwargs["max_num_batched_tokens"] == 2048 and FakeLLM.last.kwargs["tensor_parallel_size"] == 1
+    # the sampler's logprobs are those of the distribution it samples from (the corrections divide by them)
+    assert FakeLLM.last.logprobs_mode == "processed_logprobs"
     assert not sampler.needs_push  # no sleep mode: the engine keeps the weights it loaded
+    sampler.needs_push = True
+    sampler.push_weights(torch.nn.Linear(2, 3))  # the cached prompt states of the old weights go with them
+    assert FakeLLM.last.calls == ["reload_weights", "reset_prefix_cache"] and not sampler.needs_push
     for processes, mode in ((3, "colocate"), (2, "server")):
         with pytest.raises(UserError, match=f"--vllm_tensor_parallel_size 2 needs colocate mode and a number of "
                                             f"processes it divides \\(got {mode}, {processes}\\)"):
@@ -244,7 +257,7 @@ class SamplingLLM(FakeLLM):
     """Stands in for vllm.LLM with a sampler: draws each completion from the model it was built from (and the
     weights pushed since), one token at a time with the request's own seed, from logits / temperature truncated
     as vLLM 0.32 truncates (the tests' own rule, conftest.sampling_logprobs), and reports those processed
-    logprobs, as the engine does under logprobs_mode="processed_logprobs"."""
+    logprobs, as the engine does under logprobs_mode="processed_logprobs" (else the raw ones)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -266,8 +279,9 @@ class SamplingLLM(FakeLLM):
                 logq = sampling_logprobs(out.logits[0, -1].float() / p.temperature, top_k=max(p.top_k, 0),
                                          top_p=p.top_p, min_p=p.min_p)
                 new, cache = [torch.multinomial(logq.exp(), 1, generator=generator).item()], getattr(out, CACHE)
-                ids.append(new[0])
-                logprobs.append({new[0]: SimpleNamespace(logprob=logq[new[0]].item())})
+                ids.append(new[0])  # reported: vLLM's default raw_logprobs are at temperature 1, untruncated
+                reported = logq if self.logprobs_mode == "processed_logprobs" else out.logits[0, -1].log_softmax(-1)
+                logprobs.append({new[0]: SimpleNamespace(logprob=reported[new[0]].item())})
                 if new[0] in p.stop_token_ids:
                     break
             outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
@@ -330,3 +344,173 @@ def test_the_same_sampling_settings_reach_hf_generate_and_vllm(fake_vllm, monkey
         grpo.main(grpo.Args(output_dir=str(tmp_path / path), use_vllm=use_vllm, num_generations=4, **common))
     engine = vars(FakeLLM.last.params[0])
     assert {k: hf[k] for k in flags} == {k: engine[k] for k in flags} == flags
+
+
+class Ranks:
+    """A tensor-parallel group of 2 in one process, a thread per rank: torch.distributed's all_gather_object and
+    get_rank within the group, and run_episodes' reduce (max) across the ranks, stood in for."""
+
+    def __init__(self, monkeypatch, size=2):
+        self.size, self.barrier, self.slots, self.local = size, threading.Barrier(size, timeout=60), [None] * size, \
+            threading.local()
+        monkeypatch.setattr(torch.distributed, "new_subgroups_by_enumeration", lambda ranks: ("the group", None))
+        monkeypatch.setattr(torch.distributed, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: self.local.rank)
+
+    def exchange(self, value) -> list:
+        self.slots[self.local.rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+    def all_gather_object(self, output, obj, group=None):
+        assert group == "the group"
+        output[:] = self.exchange(copy.deepcopy(obj))  # a copy, as pickled through gloo
+
+    def accelerator(self, rank):
+        accelerator = stand_in_accelerator(rank, processes=self.size)
+        accelerator.reduce = lambda t, reduction: torch.stack(self.exchange(t)).amax(0)
+        return accelerator
+
+    def run(self, fn) -> list:
+        """[fn(rank) for every rank], each on its own thread."""
+        def one(rank):
+            self.local.rank = rank
+            try:
+                return fn(rank)
+            except BaseException:
+                self.barrier.abort()  # the other rank stops waiting
+                raise
+        with ThreadPoolExecutor(self.size) as pool:
+            return list(pool.map(one, range(self.size)))
+
+
+def glue(result: str, eos: str) -> str:
+    """By hand, from configs/chatml_tools.jinja: after the assistant's end of turn, a user turn holding the tool's
+    result, then the next assistant header (as tests/test_episodes.py)."""
+    return f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>{eos}\n<|im_start|>assistant\n"
+
+
+def check_tp_episodes(tok, requests: list, samples: list):
+    """tests/stand_in_vllm.py's TP_EPISODES, sampled by a tensor-parallel group of 2 (requests: what each rank's
+    engine was asked, call by call; samples: each rank's episodes), against their tokens counted here: both ranks
+    ask the same requests on every turn, each of a rank's prompts with that rank's budget left (the episode's
+    max_completion_length less its tokens so far; 1 for a rank with no episode going), and each rank gets its own
+    episodes back, cut to its own budget."""
+    def n(text):
+        return len(tok(text, add_special_tokens=False).input_ids)
+    eos, m = tok.eos_token, TP_BUDGET
+    (e0,), (e10, e11) = TP_EPISODES[0].values(), TP_EPISODES[1].values()
+    first0 = n(e0[0]) + 1 + n(glue("36", eos))  # a turn: the reply, EOS, the tool result up to the next header
+    second0 = first0 + n(e0[1]) + 1 + n(glue("72", eos))
+    first10 = n(e10[0]) + 1 + n(glue("97406784", eos))
+    turn = 2**48
+    asked = [[(0, m), (10, m), (11, m)], [(turn, m - first0), (10 + turn, m - first10)],
+             [(2 * turn, m - second0), (10 + 2 * turn, 1)]]  # (seed, max_tokens) of each request
+    assert m - first0 != m - first10 and n(e10[1]) + 1 > m - first10  # the case: budgets differ, rank 1 cut
+    assert requests[0] == requests[1], "the ranks of one engine asked it different requests"
+    assert [[(q["seed"], q["max_tokens"]) for _, q in call] for call in requests[0]] == asked
+    assert all({k: q[k] for k in TP_SAMPLING} == TP_SAMPLING for call in requests[0] for _, q in call)
+    s0, s1 = samples
+    own = [tok.decode(s.completion_ids[i][s.model_mask[i].bool()]) for s in samples for i in range(len(s.finished))]
+    cut = tok.decode(tok(e10[1], add_special_tokens=False).input_ids[:m - first10])
+    assert own == [e0[0] + eos + e0[1] + eos + e0[2] + eos, e10[0] + eos + cut, e11[0] + eos]
+    assert s0.completion_mask.sum(1).tolist() == [second0 + n(e0[2]) + 1]
+    assert s1.completion_mask.sum(1).tolist() == [m, n(e11[0]) + 1]
+    assert s0.finished.tolist() == [True] and s1.finished.tolist() == [False, True]  # 10 did not stop in its budget
+
+
+def test_a_tensor_parallel_group_asks_its_engine_the_same_requests_on_every_turn(fake_vllm, monkeypatch, tiny_model,
+                                                                                 tokenizer):
+    """--vllm_tensor_parallel_size 2 with multi-turn episodes: the two ranks of one engine (vLLM's external
+    launcher) must ask it identical requests, or its collectives mismatch or hang. From turn 2 their budgets
+    differ (each rank's episodes have their own lengths; a rank with none going asks 1 token); each prompt goes
+    with its own rank's budget and options, the same list on both ranks (before: each rank asked every prompt with
+    its own budget). Two ranks in-process (threads), the group's collectives stood in for."""
+    tok, ranks = chat_tokenizer(tokenizer), Ranks(monkeypatch)
+    samplers = [VLLMSampler(ranks.accelerator(rank), tiny_model, max_length=1024,
+                            **vllm_options(tensor_parallel_size=2)) for rank in (0, 1)]
+    for sampler in samplers:
+        sampler.llm.completion_of = scripted(tok, TP_EPISODES[0] | TP_EPISODES[1])
+
+    def episodes(rank):
+        sampler = samplers[rank]
+        sample = sample_with(sampler.accelerator, None, tok, sampler, gather=False, generate=None)
+        return stand_in_vllm.tp_episodes(sample, tok, rank, sampler.accelerator).samples
+    samples = ranks.run(episodes)
+    check_tp_episodes(tok, [sampler.llm.requests for sampler in samplers], samples)
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    """The stand-in `vllm` modules for server mode, the server itself run by the test (stand_in_vllm.Server)."""
+    return stand_in_vllm.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logits", None])
+def test_a_server_without_processed_logprobs_is_refused_before_any_model_loads(served, monkeypatch, tmp_path,
+                                                                                tiny_model, mode):
+    """Colocated engines report processed log-probabilities (of the distribution sampled from, after temperature and
+    truncation), which the sampler-mismatch and staleness corrections divide by; a `vllm serve` at vLLM's default
+    (raw_logprobs: temperature 1, no truncation) would bias both, as would one that does not say (None: no
+    /server_info). Refused by the check, before the tokenizer or any model loads (before: accepted)."""
+    from algos import grpo
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a tokenizer loaded before the server was checked")
+    monkeypatch.setattr(grpo, "load_tokenizer", loaded)
+    with Server(logprobs_mode=mode) as server, pytest.raises(UserError) as refused:
+        grpo.main(grpo.Args(model_name_or_path=tiny_model, output_dir=str(tmp_path), use_vllm=True, num_generations=4,
+                            vllm_mode="server", vllm_server_port=server.port, vllm_server_timeout=5,
+                            **{**ONLINE, "vllm_importance_sampling_cap": None}))
+    message = str(refused.value)
+    said = f"reports logprobs_mode {mode};" if mode else "does not report its logprobs_mode at /server_info;"
+    assert message.startswith(f"the vLLM server at http://127.0.0.1:{server.port} {said}") and "\n" not in message
+    assert message.endswith("`VLLM_SERVER_DEV_MODE=1 vllm serve <model> --port <port> --weight-transfer-config "
+                            "'{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs`")
+
+
+def test_a_server_with_processed_logprobs_is_accepted(served):
+    with Server(logprobs_mode="processed_logprobs", workers=3) as server:
+        assert wait_for_server("127.0.0.1", server.port, 5) == (f"http://127.0.0.1:{server.port}", 3)
+        VLLMSampler.check(stand_in_accelerator(), **vllm_options(mode="server", server_port=server.port))
+
+
+def sends(vllm) -> int:
+    return sum(call == "send" for call, *_ in vllm.transfers)
+
+
+def test_server_mode_pushes_once_per_rollout_of_several_turns(served, tiny_model, tokenizer):
+    """Three rollouts of a 3-turn episode (run_episodes through sample_with, as the scripts at --max_staleness 0)
+    from a stand-in `vllm serve`: the weights go over once before each rollout of a new policy, none before the
+    first, which samples the server's own (before: once before every turn of every rollout after the first)."""
+    tok = chat_tokenizer(tokenizer)
+    policy = load_policy(tiny_model, tok, "float32")
+    with Server(complete=scripted(tok, TP_EPISODES[0]), workers=2) as server:
+        sampler = VLLMSampler(stand_in_accelerator(), tiny_model, max_length=1024,
+                              **vllm_options(mode="server", server_port=server.port))
+        sample = sample_with(sampler.accelerator, policy, tok, sampler, gather=False, generate=None)
+        pushed = []
+        for version in range(3):
+            sampler.needs_push |= version > 0  # as the scripts publish a new policy (common/rollouts.py, K = 0)
+            episodes = stand_in_vllm.tp_episodes(sample, tok, 0, None)
+            assert episodes.turns.tolist() == [3] and episodes.samples.finished.tolist() == [True]
+            pushed.append(sends(served))
+    assert pushed == [0, 1, 2] and len(server.completions) == 9
+
+
+def test_grpo_dynamic_sampling_pushes_to_the_server_once_per_rollout(served, tmp_path, tiny_model):
+    """grpo --dynamic_sampling against a stand-in `vllm serve` whose completions are all alike, so no group's
+    rewards differ and every step draws --max_dynamic_sampling_rounds 3 batches: 3 steps, 9 batches, and the
+    weights go over once per step after the first (before: once per batch, 6)."""
+    from algos import grpo
+
+    out = str(tmp_path / "grpo")
+    with Server(complete=lambda prompt, seed: [20, 21, 22]) as server:
+        grpo.main(grpo.Args(model_name_or_path=tiny_model, output_dir=out, use_vllm=True, num_generations=4,
+                            vllm_mode="server", vllm_server_port=server.port, dynamic_sampling=True,
+                            max_dynamic_sampling_rounds=3,
+                            **{**ONLINE, "max_steps": 3, "vllm_importance_sampling_cap": None}))
+    assert [log["dynamic_sampling/rounds"] for log in read_log(out)] == [3, 3, 3]
+    assert len(server.completions) == 3 * 3 * 8 and sends(served) == 2
