@@ -26,9 +26,9 @@ Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
   (Hinton et al. 2015) is another knob, left out.
 - No sampling from the teacher (TRL's seq_kd): off-policy rows use the dataset, which needs no teacher generate.
 - Memory: the divergence and its gradient (written out in `_Divergence`) are taken a chunk of positions at a time
-  in fp32, so no fp32 copy of either [B, T, V] logit tensor exists (at a 150k vocabulary x 2 x 1024 positions a pair
-  is 2.5 GB) and the student's gradient is one tensor of its logits' dtype (benchmarks/results/memory.md: 0.67x
-  both logits above them; TRL's whole-tensor loss 7.5x).
+  in fp32 (float64 within 0.05 of beta 0 or 1: `_chunk_dtype`), so no fp32 copy of either [B, T, V] logit tensor
+  exists (at a 150k vocabulary x 2 x 1024 positions a pair is 2.5 GB) and the student's gradient is one tensor of
+  its logits' dtype (benchmarks/results/memory.md: 0.67x both logits above them; TRL's whole-tensor loss 7.5x).
 
     python algos/gkd.py    # tiny TL;DR: the SFT student distilled from output/ppo
     accelerate launch algos/gkd.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
@@ -202,9 +202,16 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: the divergence per token, the token-reward loss, the on/off-policy draw
 # ---------------------------------------------------------------------------------------------
+def _chunk_dtype(dtype: torch.dtype, beta: float) -> torch.dtype:
+    """fp32 at least; float64 within 0.05 of either end, not at it: there D_beta divides by beta (1 - beta) sums
+    that cancel to O(beta) or O(1 - beta) (log Q - log M: 1e-6 off in fp32), and fp32's error grows as 1 / min(beta,
+    1 - beta): 5e-3 at 1e-4, 0.5 at 1e-6 (tests/test_gkd.py); 2-3x beta 0.5's at 0.1 and 0.9, which stay fp32."""
+    return torch.float64 if 0 < min(beta, 1 - beta) < 0.05 else torch.promote_types(dtype, torch.float32)
+
+
 def _divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
-    """D_beta at each position of one chunk, in fp32 at least ([N, V] -> [N])."""
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    """D_beta at each position of one chunk, in fp32 at least ([N, V] -> [N]; `_chunk_dtype`)."""
+    dtype = _chunk_dtype(student_logits.dtype, beta)
     q = torch.log_softmax(student_logits.to(dtype), dim=-1)
     p = torch.log_softmax(teacher_logits.to(dtype), dim=-1)
     if beta == 0:
@@ -247,7 +254,7 @@ class _Divergence(torch.autograd.Function):
         beta, vocab, size = ctx.beta, ctx.vocab, ctx.size
         out = torch.zeros_like(s)  # 0 for a padded head's columns
         for i in range(0, len(s), size):
-            dtype = torch.promote_types(s.dtype, torch.float32)  # fp32 at least, as the forward
+            dtype = _chunk_dtype(s.dtype, beta)  # as the forward
             q = torch.log_softmax(s[i:i + size, :vocab].to(dtype), dim=-1)
             p = torch.log_softmax(t[i:i + size, :vocab].to(dtype), dim=-1)
             if beta == 0:

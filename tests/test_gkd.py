@@ -1,6 +1,7 @@
 """gkd.py: the divergence and the token-reward loss against values and gradients worked out here (plain Python
-floats over a 3-token vocabulary, closed-form gradients), the per-token pass against each row's own forward, the
-on/off-policy draw, and the script's one-line refusals."""
+floats over a 3-token vocabulary, closed-form gradients; autograd of D_beta written out in float64, under a mask,
+weights and chunks, and from fp32 logits near beta 0 and 1), the per-token pass against each row's own forward, the
+on/off-policy draw (alone, and which prompts a run samples), and the script's one-line refusals."""
 
 import math
 import random
@@ -73,6 +74,72 @@ def test_divergence_gradient(beta):
         want = [(expected(beta, [z + h * (j == i) for j, z in enumerate(STUDENT)]) -
                  expected(beta, [z - h * (j == i) for j, z in enumerate(STUDENT)])) / (2 * h) for i in range(3)]
     assert s.grad[0, 0].tolist() == pytest.approx(want, abs=1e-8)
+
+
+def reference(student, teacher, beta):
+    """D_beta written out in float64 from probabilities, M = beta P + (1 - beta) Q ([..., V] -> [...]), for autograd."""
+    q, p = student.double().log_softmax(-1), teacher.double().log_softmax(-1)
+    if beta in (0, 1):
+        return (p.exp() * (p - q)).sum(-1) if beta == 0 else (q.exp() * (q - p)).sum(-1)
+    m = (beta * p.exp() + (1 - beta) * q.exp()).log()
+    return (beta * (p.exp() * (p - m)).sum(-1) + (1 - beta) * (q.exp() * (q - m)).sum(-1)) / (beta * (1 - beta))
+
+
+MASK = [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]  # rows of 3, 1 and 5 completion tokens
+
+
+@pytest.mark.parametrize("beta", [0.3, 0.85])
+def test_backward_under_a_mask_and_weights_is_autograd_of_the_definition(beta):
+    """At a beta where swapping beta and 1 - beta shows, positions weighted (an incoming gradient that is not 1)
+    and masked, 2 positions a chunk (8 chunks, the last of 1): token_divergence's hand-written backward and
+    gkd_loss's value and gradient equal autograd of `reference`; masked positions get no gradient."""
+    torch.manual_seed(1)
+    student, teacher = torch.randn(3, 5, 7, dtype=torch.float64) * 2, torch.randn(3, 5, 7, dtype=torch.float64) * 2
+    mask, w = torch.tensor(MASK, dtype=torch.float64), torch.rand(3, 5, dtype=torch.float64) + 0.5
+    s, want = student.clone().requires_grad_(), student.clone().requires_grad_()
+    (gkd.token_divergence(s, teacher, beta, elements=14) * mask * w).sum().backward()
+    (reference(want, teacher, beta) * mask * w).sum().backward()
+    assert torch.allclose(s.grad, want.grad, rtol=1e-10, atol=1e-12)
+    assert not s.grad[mask == 0].any() and s.grad[mask == 1].abs().min() > 0
+    s, want = student.clone().requires_grad_(), student.clone().requires_grad_()
+    loss, _ = gkd.gkd_loss(s, teacher, torch.zeros(3, 5, dtype=torch.long), mask, beta=beta, loss_type="jsd",
+                           num_tokens=7.5)
+    loss.backward()
+    want_loss = (reference(want, teacher, beta) * mask).sum() / 7.5
+    want_loss.backward()
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12)
+    assert torch.allclose(s.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [1e-4, 1e-6, 1 - 1e-4, 1 - 1e-6])
+def test_float32_logits_near_the_ends_give_the_float64_values(beta):
+    """D_beta divides sums that cancel to O(beta) (or O(1 - beta)) by beta (1 - beta): from fp32 chunks these rows'
+    values were up to 5e-3 off at 1e-4 and 0.5 at 1e-6 (either end), the gradient 5e-2 at 1e-6; within 0.05 of
+    the ends the chunks are taken in float64, and the fp32 results are float64's rounded."""
+    torch.manual_seed(0)
+    student = torch.randn(3, 5, 11) * 2
+    teacher, w = student + torch.randn(3, 5, 11), torch.rand(3, 5) + 0.5
+    s, want = student.clone().requires_grad_(), student.double().requires_grad_()
+    d = gkd.token_divergence(s, teacher, beta, elements=22)
+    (d * w).sum().backward()
+    (reference(want, teacher, beta) * w).sum().backward()
+    assert d.dtype == s.grad.dtype == torch.float32
+    assert d.flatten().tolist() == pytest.approx(reference(student, teacher, beta).flatten().tolist(), rel=1e-6)
+    assert torch.allclose(s.grad.double(), want.grad, rtol=1e-6, atol=1e-6 * want.grad.abs().max().item())
+
+
+def test_beta_0_1_and_the_middle_keep_their_fp32_values():
+    """float64 only strictly within 0.05 of an end: beta 1 (the main job's), 0 and the paper's 0.1 / 0.5 / 0.9 are
+    taken in fp32 as before, bit for bit (here the KLs written with the same fp32 operations)."""
+    torch.manual_seed(0)
+    s, t = torch.randn(4, 50), torch.randn(4, 50)
+    q, p = s.log_softmax(-1), t.log_softmax(-1)
+    assert torch.equal(gkd.token_divergence(s, t, 1.0), (q.exp() * (q - p)).sum(-1))
+    assert torch.equal(gkd.token_divergence(s, t, 0.0), (p.exp() * (p - q)).sum(-1))
+    for beta in (0.0, 0.1, 0.3, 0.5, 0.9, 1.0):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert gkd._chunk_dtype(dtype, beta) == torch.float32
+    assert all(gkd._chunk_dtype(torch.float32, beta) == torch.float64 for beta in (1e-9, 0.049, 0.951, 1 - 1e-9))
 
 
 def test_chunks_give_the_values_and_gradients_of_one_pass():
@@ -228,3 +295,60 @@ def test_token_reward_runs_on_the_students_samples(tmp_path, tiny_model, tokeniz
     assert row["grad_norm"] > 0
     start, trained = load_policy(tiny_model, tokenizer), load_policy(str(tmp_path / "out"), tokenizer)
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), trained.parameters()))
+
+
+def test_on_and_off_policy_prompts_follow_the_global_draw(tmp_path, tiny_model, tokenizer, monkeypatch,
+                                                          one_torch_thread):
+    """--lmbda 0.4, 3 steps, this process as rank 0 of 2 (collectives are its own values): the prompts of step k
+    are those at the even global places 8k, 8k + 2, ... of the run's one seeded order; those whose
+    on_policy(seed, place, lmbda) is true get the completion the student sampled for them (and no other prompt
+    is sampled), the rest the dataset's; the logged on-policy share is the step's share of true draws."""
+    from common.data import encode_completion, encode_prompt
+    from tests.test_sft import read_log
+
+    rows = [{"prompt": f"TITLE: post {i}\n\nTL;DR:", "completion": f" summary {i} of post {i}"} for i in range(24)]
+    prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    assert len({tuple(p) for p in prompts}) == 24
+    seed, lmbda = 3, 0.4
+    order = list(range(24))
+    random.Random(seed).shuffle(order)  # the run's order of prompts, the same on every rank
+    places = [[8 * k + 2 * j for j in range(4)] for k in range(3)]  # rank 0 of 2, 4 prompts each
+    draws = [[gkd.on_policy(seed, place, lmbda) for place in step] for step in places]
+    assert all(0 < sum(d) < 4 for d in draws)  # each step mixes the two
+    setup, forward, sample = gkd.setup, gkd.completion_logits, gkd.generate
+    seen, sampled = [], []
+
+    class RankZeroOfTwo:
+        num_processes, process_index = 2, 0
+
+        def __init__(self, accelerator):
+            self.accelerator = accelerator
+
+        def __getattr__(self, name):
+            return getattr(self.accelerator, name)
+
+    def generate(model, tok, chosen, *a, **k):
+        samples = sample(model, tok, chosen, *a, **k)
+        sampled.append((chosen, [c[m.bool()].tolist() for c, m in zip(samples.completion_ids,
+                                                                        samples.completion_mask)]))
+        return samples
+
+    monkeypatch.setattr(gkd, "setup", lambda **k: RankZeroOfTwo(setup(**k)))
+    monkeypatch.setattr(gkd, "generate", generate)
+    monkeypatch.setattr(gkd, "completion_logits", lambda m, *a: seen.append(a) or forward(m, *a))
+    gkd.main(gkd.Args(model_name_or_path=tiny_model, teacher_model_name_or_path=tiny_model, lmbda=lmbda, seed=seed,
+                      dataset_name=write_jsonl(tmp_path / "d.jsonl", rows), max_steps=3, max_new_tokens=6,
+                      per_device_train_batch_size=4, logging_steps=1, output_dir=str(tmp_path / "out")))
+    assert len(seen) == 6 and len(sampled) == 3  # the student's and the teacher's forward; one generate a step
+    for k, ((p_ids, p_mask, c_ids, c_mask), (chosen, samples)) in enumerate(zip(seen[::2], sampled)):
+        got = [(p[pm.bool()].tolist(), c[cm.bool()].tolist()) for p, pm, c, cm in zip(p_ids, p_mask, c_ids, c_mask)]
+        assert [p for p, _ in got] == [prompts[order[place]] for place in places[k]], k
+        on = [j for j in range(4) if draws[k][j]]
+        assert chosen == [prompts[order[places[k][j]]] for j in on], k
+        for j, (_, completion) in enumerate(got):
+            row = rows[order[places[k][j]]]
+            dataset = encode_completion(tokenizer, row["prompt"], row["completion"])[:6]
+            assert completion == (samples[on.index(j)] if j in on else dataset), (k, j)
+            assert (completion != dataset) == draws[k][j], (k, j)  # a sample is not the dataset's completion
+    assert [r["on_policy_ratio"] for r in read_log(str(tmp_path / "out"))] == pytest.approx(
+        [sum(d) / 4 for d in draws])
