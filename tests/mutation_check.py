@@ -37,6 +37,18 @@ RLOO_STEP = "tests/test_rloo.py::test_first_step_gradient_against_the_advantages
 DPO_BCO = "tests/test_dpo.py::test_bco_pair_running_mean_of_the_rewards_of_earlier_steps"
 ASYNC_VERSIONS = "tests/test_async.py::test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k"
 ASYNC_DROP = "tests/test_async.py::test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken"
+EPISODES = "tests/test_episodes.py::"
+EPISODES_ROOM = EPISODES + "test_episodes_with_different_room_left_share_a_call_and_each_is_cut_at_its_own_room"
+EPISODES_FAMILIES = (EPISODES + "test_each_familys_template_is_tried_at_start_up_and_appends_tool_results_as_it_"
+                                 "renders_them")
+EPISODES_TOOL_LIMITS = (EPISODES + "test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_is_"
+                                   "cut_before_tokenising")
+DCP_REFUSED = "tests/test_common_checkpoint.py::test_dcp_metadata_that_would_run_code_is_refused"
+STEPS_PAST_9 = "tests/test_common_checkpoint.py::test_steps_past_9_are_ordered_by_number_when_pruned_and_resumed"
+VLLM = "tests/test_common_vllm.py::"
+GKD = "tests/test_gkd.py::"
+GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
+GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
 
 # (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
 MUTATIONS = [
@@ -236,6 +248,98 @@ MUTATIONS = [
      "student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask) / args.temperature",
      "gkd: the student's logits at the sampling temperature",
      ["tests/test_gkd.py::test_the_divergence_gets_the_models_own_logits_whatever_the_sampling_temperature"]),
+    # the multi-turn, vLLM and checkpoint paths (issue 55)
+    ("algos/rloo.py", "last = (mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)",
+     "last = (mask.sum(dim=1) - 1).clamp(min=0).long()",
+     "rloo: token-level score at the count of trained tokens (inside a tool result when the mask has gaps)",
+     ["tests/test_rloo.py::test_token_level_advantages_score_the_last_trained_token_across_tool_gaps"]),
+    ("common/episodes.py", "budget = max(max_new_tokens - len(ids[i]) for i in active) if active else 1",
+     "budget = min(max_new_tokens - len(ids[i]) for i in active) if active else 1",
+     "episodes: a shared turn sampled with the smallest room left, not the largest", [EPISODES_ROOM]),
+    ("common/episodes.py", "new = out.completion_ids[row, :length].tolist()[:max_new_tokens - len(ids[i])]",
+     "new = out.completion_ids[row, :length].tolist()",
+     "episodes: a reply not cut at its own episode's room", [EPISODES_ROOM]),
+    ("common/episodes.py", "stopped = bool(out.finished[row]) and len(new) == length",
+     "stopped = bool(out.finished[row])", "episodes: a reply cut at its room counted as finished", [EPISODES_ROOM]),
+    ("common/episodes.py", "return full[at + len(end):]", "return full[at:]",
+     "episodes: the turn's end token written twice before the tool results", [EPISODES_FAMILIES]),
+    ("common/episodes.py", "if REPLY not in alone or REPLY not in full or not full.startswith(end, at):",
+     "if REPLY not in alone or REPLY not in full:",
+     "episodes: a template ending turns differently before tool results accepted",
+     ["tests/test_episodes.py::test_a_template_that_ends_a_turn_differently_before_tool_results_is_refused_at_start_up"]),
+    ("common/episodes.py", "            worker.join(timeout)\n", "            worker.join()\n",
+     "episodes: --tool_timeout not applied (a hung tool hangs the rollout)", [EPISODES_TOOL_LIMITS]),
+    ("common/episodes.py", 'if any(len(m["content"]) > 64 * room for m, _ in answers):', "if False:",
+     "episodes: a huge tool result tokenised whole", [EPISODES_TOOL_LIMITS]),
+    ("common/episodes.py", 'text, failed = str({"error": str(e)}), True',
+     'text, failed = str({"error": str(e)}), False',
+     "episodes: failed and timed-out calls not counted as failures", [EPISODES_TOOL_LIMITS]),
+    ("common/checkpoint.py", "if name in DCP_METADATA_CLASSES.get(module, ()) or (", "if True or (",
+     "resume: the DCP metadata unpickler admits every global", [DCP_REFUSED]),
+    ("common/checkpoint.py", "isinstance(getattr(torch, name, None), torch.dtype)",
+     "getattr(torch, name, None) is not None",
+     "resume: any torch.<name> admitted in DCP metadata, not only dtypes", [DCP_REFUSED]),
+    ("common/checkpoint.py", "verdicts = gather_object([(os.path.isfile(rank_file), unsafe_metadata(path))])",
+     "verdicts = [(os.path.isfile(rank_file), unsafe_metadata(path))]",
+     "resume: each rank judges only its own copy of the metadata; the others go on loading",
+     ["tests/test_common_checkpoint.py::test_dcp_metadata_that_would_run_code_on_one_machine_stops_every_rank"]),
+    ("common/checkpoint.py", 'return sorted((d for d in names if d.startswith("step_")), key=lambda d: int(d[5:]))',
+     'return sorted(d for d in names if d.startswith("step_"))',
+     "checkpoints ordered by name (step_10 before step_9) when pruned", [STEPS_PAST_9]),
+    ("common/checkpoint.py", "max(everywhere, key=lambda d: int(d[5:]))", "max(everywhere)",
+     "resume latest: the largest name (step_9 over step_11)", [STEPS_PAST_9]),
+    ("common/checkpoint.py", "self.saved()[:-max(1, self.save_total_limit)]",
+     "self.saved()[max(1, self.save_total_limit):]",
+     "checkpoints: pruning deletes the newest beyond the limit", [STEPS_PAST_9]),
+    ("common/vllm.py", "[self.vllm.SamplingParams(seed=s, **o) for _, ss, o in group for s in ss]",
+     "[self.vllm.SamplingParams(seed=s, **params) for _, ss, o in group for s in ss]",
+     "vLLM tensor parallel: every prompt asked with this rank's options (ranks ask the engine different requests)",
+     [VLLM + "test_a_tensor_parallel_group_asks_its_engine_the_same_requests_on_every_turn"]),
+    ("common/vllm.py", "                mine = slice(start, start + len(prompts))\n",
+     "                mine = slice(0, len(prompts))\n",
+     "vLLM tensor parallel: every rank takes the first rank's completions",
+     [VLLM + "test_a_tensor_parallel_group_asks_its_engine_the_same_requests_on_every_turn"]),
+    ("common/vllm.py", "        self.needs_push = False  # both modes",
+     "        self.needs_push = self.mode == 'server'",
+     "vLLM server: needs_push never cleared, the weights pushed before every turn and round",
+     [VLLM + "test_server_mode_pushes_once_per_rollout_of_several_turns",
+      VLLM + "test_grpo_dynamic_sampling_pushes_to_the_server_once_per_rollout"]),
+    ("common/vllm.py", 'if (mode := server_logprobs_mode(url)) != "processed_logprobs":',
+     'if (mode := server_logprobs_mode(url)) not in ("processed_logprobs", None):',
+     "vLLM server: one that does not report its logprobs mode accepted",
+     [VLLM + "test_a_server_without_processed_logprobs_is_refused_before_any_model_loads"]),
+    ("common/vllm.py", '["vllm_config"]["model_config"]["logprobs_mode"]', '["vllm_config"]["logprobs_mode"]',
+     "vLLM server: the logprobs mode read at the wrong level of /server_info",
+     [VLLM + "test_a_server_with_processed_logprobs_is_accepted"]),
+    ("common/vllm.py", 'logprobs_mode="processed_logprobs"', 'logprobs_mode="raw_logprobs"',
+     "vLLM colocated: the engine built with vLLM's default raw log-probabilities",
+     [VLLM + "test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused"]),
+    ("common/vllm.py",
+     "            self.llm.reset_prefix_cache()  # cached prompt states came from the old weights\n", "",
+     "vLLM colocated: no prefix-cache reset after a push (prompts' states from the old weights)",
+     [VLLM + "test_engine_options_reach_vllm_and_bad_tensor_parallel_sizes_are_refused"]),
+    ("algos/gkd.py", "return torch.float64 if 0 < min(beta, 1 - beta) < 0.05 else torch.promote_types(",
+     "return torch.float32 if 0 < min(beta, 1 - beta) < 0.05 else torch.promote_types(",
+     "gkd: no float64 near beta 0 or 1",
+     [GKD + "test_float32_logits_near_the_ends_give_the_float64_values"]),
+    ("algos/gkd.py", "0 < min(beta, 1 - beta) < 0.05", "0 <= min(beta, 1 - beta) < 0.05",
+     "gkd: beta 0 and 1 moved to float64 (the main job's numbers move)",
+     [GKD + "test_beta_0_1_and_the_middle_keep_their_fp32_values"]),
+    ("algos/gkd.py", "torch.logaddexp(p + math.log(beta), q + math.log(1 - beta))",
+     "torch.logaddexp(p + math.log(1 - beta), q + math.log(beta))",
+     "gkd: the backward's log M with beta and 1 - beta swapped", [GKD_BACKWARD]),
+    ("algos/gkd.py", "out[i:i + size, :vocab] = d * grad[i:i + size, None]", "out[i:i + size, :vocab] = d",
+     "gkd: the backward drops the incoming gradient", [GKD_BACKWARD]),
+    ("algos/gkd.py", "sampled = [on_policy(args.seed, place, args.lmbda) for _, place in batch]",
+     "sampled = [on_policy(args.seed, place, 1 - args.lmbda) for _, place in batch]",
+     "gkd: a share 1 - lmbda of the prompts sampled", [GKD_DRAW]),
+    ("algos/gkd.py", "place += per_step", "place += args.per_device_train_batch_size",
+     "gkd: a prompt's place in the run counted per rank", [GKD_DRAW]),
+    ("algos/gkd.py", "ids[place] = c[m.bool()].tolist()", "ids[i] = c[m.bool()].tolist()",
+     "gkd: on-policy rows trained on the dataset's completion", [GKD_DRAW]),
+    ("common/generation.py", "torch.distributed.ReduceOp.MAX", "torch.distributed.ReduceOp.MIN",
+     "sharded decoding: ranks agree on the fewest chunks (out of step past 64 prompts)",
+     ["tests/test_sharded_generate.py::test_fsdp2_ranks_with_more_chunks_than_others_decode_in_step"]),
 ]
 
 

@@ -263,6 +263,8 @@ def test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_
     def multiply(a: int, b: int):
         return "9" * 10**7  # ~10 MB of text
 
+    with pytest.raises(UserError, match=r"^--tool_timeout must be >= 0 seconds \(got -1.0; 0: no limit\)$"):
+        load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=2, timeout=-1.0)
     tools = load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=2, timeout=0.5)
     tools.functions = [multiply, hang]
     hang_call = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
