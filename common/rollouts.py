@@ -18,9 +18,11 @@ devices and cannot overlap (refused in common.vllm.sampler_options)."""
 import contextlib
 import copy
 import dataclasses
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -52,7 +54,7 @@ class RolloutStream:
         self.tokenizer, self.dropped = tokenizer, resumed.get("dropped", 0)
         self.staleness = list(resumed.get("staleness", []))  # of the batches taken since the last publish
         if self.k:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="sampler")
+            self.pool = SamplerThread()
             self.tokenizer = copy.deepcopy(tokenizer)  # the thread's own: a Rust tokenizer is not shared safely
             if sampler is None:  # a full copy on every rank (ZeRO-3 / FSDP2 shard the policy, not this)
                 plugin = accelerator.state.deepspeed_plugin
@@ -158,8 +160,40 @@ class RolloutStream:
             {"vllm/push_seconds": self.sampler.push_seconds} if self.sampler is not None else {})
 
     def close(self):
+        """A finished run: the batches requested ahead are not drawn; the one being drawn is waited for."""
         if self.k:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            for future, _ in self.pending:
+                future.cancel() if hasattr(future, "cancel") else None
+            self.pool.close()
+
+
+class SamplerThread(threading.Thread):
+    """The sampler's thread: the draws submitted, one at a time, in order. A daemon, so that a run that fails or is
+    stopped (an exception, a signal) ends without waiting for the batch being drawn (a hung tool's, a long one's),
+    which concurrent.futures' workers would make the interpreter wait for, and then for every batch requested."""
+
+    def __init__(self):
+        super().__init__(name="sampler", daemon=True)
+        self.jobs = queue.SimpleQueue()
+        self.start()
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def run(self):
+        while (job := self.jobs.get()) is not None and threading.main_thread().is_alive():
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():  # not cancelled
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # raised in the trainer's thread, where it waits for the batch
+                    future.set_exception(e)
+
+    def close(self):
+        self.jobs.put(None)
+        self.join()
 
 
 def _plain(x):

@@ -1,0 +1,32 @@
+"""`python tests/sampler_exit_probe.py`: a RolloutStream at K = 1 whose second batch, drawn ahead in the sampler's
+thread, never finishes (a tool that hangs, with no --tool_timeout); the trainer then fails. The process must end
+with the trainer's error, not wait for the sampler (tests/test_async.py)."""
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.rollouts import RolloutStream  # noqa: E402
+
+accelerator = types.SimpleNamespace(num_processes=1, process_index=0, autocast=contextlib.nullcontext)
+never = threading.Event()
+
+
+def draw(indices, seeds, sample, tokenizer, accelerator):
+    if indices[0] > 0:  # the batch requested ahead
+        print("drawing ahead", flush=True)
+        never.wait()
+    return f"batch {indices[0]}"
+
+
+stream = RolloutStream(accelerator, draw, ([i] for i in itertools.count()), {"seed": 1, "max_staleness": 1,
+                       "ds3_gather_for_generation": True}, {}, batch_size=1, model=None, tokenizer=None,
+                       sampler=types.SimpleNamespace(push_weights=lambda model: None), generate=None, logps=None)
+stream.publish(None, 0)
+print(stream.next_batch(0)[1], flush=True)
+raise RuntimeError("the trainer failed")
