@@ -46,6 +46,9 @@ EPISODES_TOOL_LIMITS = (EPISODES + "test_a_tool_that_hangs_answers_an_error_afte
 DCP_REFUSED = "tests/test_common_checkpoint.py::test_dcp_metadata_that_would_run_code_is_refused"
 STEPS_PAST_9 = "tests/test_common_checkpoint.py::test_steps_past_9_are_ordered_by_number_when_pruned_and_resumed"
 VLLM = "tests/test_common_vllm.py::"
+ASYNC_LOGPS = ("tests/test_async.py::test_k1_behaviour_logps_are_the_sampling_distributions_of_the_weights_that_"
+               "drew_them")
+ASYNC_STEP = "tests/test_async.py::test_k1_step_gradient_is_the_loss_written_out_with_the_capped_staleness_weight"
 GKD = "tests/test_gkd.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
@@ -337,6 +340,33 @@ MUTATIONS = [
      "gkd: a prompt's place in the run counted per rank", [GKD_DRAW]),
     ("algos/gkd.py", "ids[place] = c[m.bool()].tolist()", "ids[i] = c[m.bool()].tolist()",
      "gkd: on-policy rows trained on the dataset's completion", [GKD_DRAW]),
+    ("algos/grpo.py", "policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))",
+     "policy, ids[m], mask[m], width, args.temperature) for m in micro]))",
+     "grpo: the behaviour policy's log-probs without the top_k / top_p / min_p truncation",
+     [ASYNC_LOGPS + "[grpo]", ASYNC_STEP + "[grpo]"]),
+    ("algos/grpo.py", "policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))",
+     "policy, ids[m], mask[m], width, 1.0, **truncation) for m in micro]))",
+     "grpo: the behaviour policy's log-probs at temperature 1", [ASYNC_LOGPS + "[grpo]", ASYNC_STEP + "[grpo]"]),
+    ("common/rollouts.py", "torch.cat([s.prompt_mask, s.completion_mask], 1)",
+     "torch.cat([s.prompt_mask, s.model_mask], 1)",
+     "async: the behaviour pass does not attend to tool results", [ASYNC_LOGPS + "[grpo]", ASYNC_LOGPS + "[rloo]"]),
+    ("algos/grpo.py", "stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]",
+     "stale = torch.exp(logps - r.sampler_logps[s]) * r.loss_mask[s]",
+     "grpo: the staleness weight from the live log-probs (it carries a gradient)", [ASYNC_STEP + "[grpo]"]),
+    ("algos/grpo.py", "is_weights = is_weights * stale.clamp(max=args.async_importance_sampling_cap)",
+     "is_weights = is_weights * stale.clamp(max=2.0)", "grpo: --async_importance_sampling_cap ignored",
+     [ASYNC_STEP + "[grpo]"]),
+    ("algos/rloo.py", "stale = torch.exp(old_logps - sampler_logps) * sampled",
+     "stale = torch.exp(sampler_logps - old_logps) * sampled", "rloo: the staleness weight inverted",
+     [ASYNC_STEP + "[rloo]"]),
+    ("algos/rloo.py", "is_weights = stale.clamp(max=args.async_importance_sampling_cap)", "is_weights = stale",
+     "rloo: the staleness weight not capped", [ASYNC_STEP + "[rloo]"]),
+    ("algos/rloo.py", "old_logps=old_logps, advantages=advantages, is_weights=is_weights)",
+     "old_logps=sampler_logps, advantages=advantages, is_weights=is_weights)",
+     "rloo at K = 1: the ratio clipped against pi_behaviour, not pi_old", [ASYNC_STEP + "[rloo]"]),
+    ("common/rollouts.py", 'super().__init__(name="sampler", daemon=True)', 'super().__init__(name="sampler")',
+     "async: a failed run waits for the sampler's thread (for ever with a hung tool)",
+     ["tests/test_async.py::test_a_failed_run_at_k_1_ends_without_waiting_for_the_sampler_thread"]),
     ("common/generation.py", "torch.distributed.ReduceOp.MAX", "torch.distributed.ReduceOp.MIN",
      "sharded decoding: ranks agree on the fewest chunks (out of step past 64 prompts)",
      ["tests/test_sharded_generate.py::test_fsdp2_ranks_with_more_chunks_than_others_decode_in_step"]),
