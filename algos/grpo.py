@@ -481,8 +481,7 @@ def main(args: Args):
             rewards, finished = batch["rewards"], batch["finished"].bool()
             p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
                 t.to(c_ids.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
-            # multi-turn: tool results are attended to, not trained
-            input_ids = torch.cat([p_ids, c_ids], 1)
+            input_ids = torch.cat([p_ids, c_ids], 1)  # multi-turn: tool results are attended to, not trained
             attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
             # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
