@@ -19,7 +19,8 @@ never = threading.Event()
 
 def draw(indices, seeds, sample, tokenizer, accelerator):
     if indices[0] > 0:  # the batch requested ahead
-        print("drawing ahead", flush=True)
+        sys.stdout.write("drawing ahead\n")  # one write: the trainer's thread prints too
+        sys.stdout.flush()
         never.wait()
     return f"batch {indices[0]}"
 
@@ -28,5 +29,6 @@ stream = RolloutStream(accelerator, draw, ([i] for i in itertools.count()), {"se
                        "ds3_gather_for_generation": True}, {}, batch_size=1, model=None, tokenizer=None,
                        sampler=types.SimpleNamespace(push_weights=lambda model: None), generate=None, logps=None)
 stream.publish(None, 0)
-print(stream.next_batch(0)[1], flush=True)
+sys.stdout.write(stream.next_batch(0)[1] + "\n")
+sys.stdout.flush()
 raise RuntimeError("the trainer failed")

@@ -166,6 +166,7 @@ def test_dpo_overfits_a_small_set_and_saves_a_loadable_model(tmp_path, sft_model
     AutoModelForCausalLM.from_pretrained(out)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_precomputed_reference_gives_the_same_first_loss(tmp_path, sft_model, tiny_model):
     data = write_pairs(tmp_path / "pairs", 16)
     losses = []
@@ -180,6 +181,7 @@ def test_precomputed_reference_gives_the_same_first_loss(tmp_path, sft_model, ti
     assert losses[1] == pytest.approx(losses[0], abs=1e-5)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_tr_dpo_sync_with_alpha_one_makes_the_reference_the_policy(tmp_path, sft_model):
     data = write_pairs(tmp_path / "pairs", 16)
     margins = {}

@@ -77,6 +77,7 @@ def test_reward_shaping_puts_the_score_on_the_last_real_token():
     assert k3[0].tolist() == pytest.approx([math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1, 0.0], rel=1e-5)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_ppo_learns_a_toy_reward(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "ppo")
     # the reward model (here the SFT model with a fresh head) is weighted 0: the toy reward decides

@@ -59,6 +59,7 @@ def test_pair_scores_equal_each_row_scored_alone(tokenizer, rm_model):
             assert torch.allclose(got, alone, atol=1e-5)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
     out = str(tmp_path / "rm")
     proc = run_script("algos/reward.py", "--model_name_or_path", sft_model, "--max_steps", "3",

@@ -226,6 +226,7 @@ def test_stopped_job_stops_the_stages_it_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_quick_job_writes_a_row_per_policy_and_the_figures(tmp_path):
     results = tmp_path / "results" / "tiny_tldr.md"
     run_script("benchmarks/run_tiny_tldr.py", "--max_steps", "2", "--eval_prompts", "16", "--kl_prompts", "8",

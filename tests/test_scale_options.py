@@ -49,6 +49,7 @@ def test_lora_runs_and_saves_adapters(tmp_path, sft_model, rm_model, script):
         assert read_log(out)[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_gradient_checkpointing_leaves_the_loss_unchanged_and_bf16_runs(tmp_path, sft_model):
     losses = {}
     for name, flags in {"plain": [], "checkpointing": ["--gradient_checkpointing", "--torch_dtype", "float32"],

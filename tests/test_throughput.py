@@ -67,6 +67,7 @@ def test_model_calls_inside_generate_and_backward_are_not_forward(tiny_model):
     assert GenerationMixin.generate is original  # uninstalled
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_benchmark_two_scripts(tmp_path, sft_model, rm_model):
     out = tmp_path / "throughput.json"
     report = throughput.main(throughput.Args(algos=["sft", "grpo"], warmup_steps=1, steps=2, sft_model_path=sft_model,
