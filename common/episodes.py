@@ -1,10 +1,10 @@
 """Multi-turn episodes for the online scripts (--tools, --environment_factory), in the contract of TRL's GRPO
 trainer: the model writes a turn; the tool calls in it (parsed in the chat template's format) run as
 `fn(**arguments)` and come back as {"role": "tool", "name", "content": str(result)} messages (a failure, or a tool
-that has not answered within --tool_timeout seconds, as str({"error": ...}), counted, never a crash or a hang); then
-the model writes its next turn. A turn without a call ends the
-episode, as do --max_tool_calling_iterations turns with calls, and the episode's tokens reaching
-max_completion_length (a tool result that would pass it is not appended, and the episode counts as truncated).
+that has not answered within --tool_timeout seconds, as str({"error": ...}), counted, never a crash or a hang);
+then the model writes its next turn. A turn without a call ends the episode, as do --max_tool_calling_iterations
+turns with calls, and the episode's tokens reaching max_completion_length (a tool result that would pass it is not
+appended, and the episode counts as truncated).
 Only the model's own tokens are trained (`Samples.model_mask`); tool results and the template's text around them
 are context."""
 
@@ -268,13 +268,13 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
             if not stopped or not parsed or (max_calls is not None and call_turns[i] >= max_calls):
                 finished[i] = stopped  # the episode ends: answered, out of tokens, or out of calls
                 continue
-            functions, room = tools.for_episode(i), max_new_tokens - len(ids[i])
-            # no token is near 64 characters long: a result longer than that per token of room cannot fit (and is
-            # never tokenised whole)
-            answers = [call_tool(functions, call, tools.timeout, 64 * room) for call in parsed]
+            # no token is near 64 characters long: a result longer than that per token of room left cannot fit
+            # (and is never tokenised whole)
+            functions, most = tools.for_episode(i), 64 * (max_new_tokens - len(ids[i]))
+            answers = [call_tool(functions, call, tools.timeout, most) for call in parsed]
             calls[i], failures[i] = calls[i] + len(answers), failures[i] + sum(failed for _, failed in answers)
             call_turns[i] += 1
-            if any(len(m["content"]) > 64 * room for m, _ in answers):  # no room for the results: truncated
+            if any(len(m["content"]) > most for m, _ in answers):  # no room for the results: truncated
                 continue
             glue = tokenizer(tool_turn_text(tokenizer, [m for m, _ in answers]), add_special_tokens=False).input_ids
             if len(ids[i]) + len(glue) >= max_new_tokens:  # no room for the results and a reply: truncated

@@ -163,7 +163,8 @@ class RolloutStream:
         """A finished run: the batches requested ahead are not drawn; the one being drawn is waited for."""
         if self.k:
             for future, _ in self.pending:
-                future.cancel() if hasattr(future, "cancel") else None
+                if isinstance(future, Future):  # else a checkpoint's batch, finished already
+                    future.cancel()
             self.pool.close()
 
 

@@ -272,7 +272,7 @@ MUTATIONS = [
      ["tests/test_episodes.py::test_a_template_that_ends_a_turn_differently_before_tool_results_is_refused_at_start_up"]),
     ("common/episodes.py", "            worker.join(timeout)\n", "            worker.join()\n",
      "episodes: --tool_timeout not applied (a hung tool hangs the rollout)", [EPISODES_TOOL_LIMITS]),
-    ("common/episodes.py", 'if any(len(m["content"]) > 64 * room for m, _ in answers):', "if False:",
+    ("common/episodes.py", 'if any(len(m["content"]) > most for m, _ in answers):', "if False:",
      "episodes: a huge tool result tokenised whole", [EPISODES_TOOL_LIMITS]),
     ("common/episodes.py", 'text, failed = str({"error": str(e)}), True',
      'text, failed = str({"error": str(e)}), False',
