@@ -34,14 +34,14 @@ def exit_on_user_error():
         for bar in list(getattr(tqdm, "_instances", ())):  # end the progress bar's line first
             bar.close()
         if isinstance(e, UserError):
-            print(f"{rank}error: {e}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"{rank}error: {e}\n")  # one write: ranks' lines never share a line
             sys.exit(2)
         if rank:  # one process alone: its traceback is enough
             why = str(e).lower()
             hint = ("; this process waited longer than --ddp_timeout for the others: one failed (see its error) or "
                     "hangs; raise --ddp_timeout if a step can take that long" if "timed out" in why else
                     "; another process ended first: see its error" if "peer" in why else " (traceback below)")
-            print(f"{rank}error: {type(e).__name__}: {str(e)[:300]}{hint}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"{rank}error: {type(e).__name__}: {str(e)[:300]}{hint}\n")
         raise
 
 

@@ -298,6 +298,12 @@ def test_an_error_line_carries_the_rank_when_there_are_several_processes(monkeyp
     with pytest.raises(ZeroDivisionError), exit_on_user_error():
         1 / 0
     assert capsys.readouterr().err == "[rank 1] error: ZeroDivisionError: division by zero (traceback below)\n"
+    # each line goes out in one write (stderr writes through): two ranks' lines never share a line (CI, 7f968f7)
+    writes = []
+    monkeypatch.setattr("sys.stderr", type("Err", (), {"write": lambda self, s: writes.append(s)})())
+    with pytest.raises(SystemExit), exit_on_user_error():
+        raise UserError("no")
+    assert writes == ["[rank 1] error: no\n"]
 
 
 TURNS = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.format(6, 2), "12"]}  # 0, 1, 2 calls
