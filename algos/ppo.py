@@ -33,7 +33,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
-from common.generation import (generate, real_positions, shifted_logits, token_entropy, token_logprobs,
+from common.generation import (generate, real_positions, shifted_logits, token_entropy_no_grad, token_logprobs,
                                unwrapped_for_generation)
 from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
                            load_tokenizer, prepare_frozen)
@@ -519,7 +519,7 @@ def main(args: Args):
                         stats["policy/clipfrac_avg"] += pg_clipfrac
                         stats["val/clipfrac_avg"] += vf_clipfrac
                         stats["policy/approxkl_avg"] += approxkl.detach()
-                        stats["policy/entropy_avg"] += masked_mean(token_entropy(logits, args.temperature), m)
+                        stats["policy/entropy_avg"] += masked_mean(token_entropy_no_grad(logits, args.temperature), m)
                         stats["val/ratio"] += masked_mean(ratio, m)
                         stats["val/ratio_squared"] += masked_mean(ratio.detach() ** 2, m)
                 scheduler.step()

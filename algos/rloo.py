@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, load_split, prompt_batches
 from common.episodes import episode_metrics, load_tools, run_episodes
-from common.generation import generate, shifted_logits, token_entropy, token_logprobs
+from common.generation import generate, shifted_logits, token_entropy_no_grad, token_logprobs
 from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.rollouts import RolloutStream
@@ -312,7 +312,7 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
     entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
     logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
-    return (logps, token_entropy(logits, temperature)) if entropy else logps
+    return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
 
 
 @dataclass

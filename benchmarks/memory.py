@@ -8,7 +8,7 @@ of [B, T, V]. This measures, each in a fresh process on the CPU, the peak reside
 logits themselves (their own size given beside it) for:
 
     before  the whole-tensor formula these scripts used until 2026-11-25
-    ours    common.generation.token_logprobs (row by row, its own backward) + token_entropy (chunks)
+    ours    common.generation.token_logprobs (row by row, its own backward) + token_entropy_no_grad (chunks)
     trl     TRL 1.16's selective_log_softmax (given the temperature) + entropy_from_logits (of the
             logits divided by it), pip install -e ".[bench]"
 
@@ -44,7 +44,7 @@ def run(impl: str, batch: int, length: int, vocab: int) -> dict:
     """One measurement, in this process (call it in a fresh one)."""
     import transformers  # noqa: F401  (loaded by every side, before the baseline is read)
 
-    from common.generation import token_entropy, token_logprobs
+    from common.generation import token_entropy_no_grad, token_logprobs
     if impl == "trl":
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def run(impl: str, batch: int, length: int, vocab: int) -> dict:
             entropy = -(logp.exp() * logp).sum(-1)
     elif impl == "ours":
         logps = token_logprobs(logits, labels, TEMPERATURE)
-        entropy = token_entropy(logits, TEMPERATURE)
+        entropy = token_entropy_no_grad(logits, TEMPERATURE)
     else:
         logps = selective_log_softmax(logits, labels, temperature=TEMPERATURE)
         with torch.no_grad():

@@ -8,13 +8,33 @@ import pkgutil
 import shutil
 import signal
 import sys
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
+import tyro
 from accelerate.utils import gather_object
 
 from common import runtime
 from common.runtime import UserError
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --save_steps, not --checkpoint.save-steps
+@dataclass
+class CheckpointArgs:
+    """checkpoints and stopping"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
+    save_total_limit: int = 2
+    """checkpoints kept (the newest)"""
+    resume_from_checkpoint: str | None = None
+    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
+    overwrite_output_dir: bool = False
+    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
+    skip_nonfinite_steps: bool = False
+    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
+    ddp_timeout: int = 1800
+    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
 
 
 def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None = None):

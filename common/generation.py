@@ -228,8 +228,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, elements: int = 2**21) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position ([B, T, V] -> [B, T]), a chunk at a time."""
+def token_entropy_no_grad(logits: torch.Tensor, temperature: float = 1.0, elements: int = 2**21) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position ([B, T, V] -> [B, T]), a chunk at a time, for the logs
+    and masks: no gradient flows through it (an entropy bonus writes -(p * log p).sum(-1) out; README)."""
     out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     for c in _chunks(logits, elements):
         logp = torch.log_softmax(logits[c].float() / temperature, dim=-1)

@@ -3,12 +3,44 @@
 import contextlib
 import functools
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import tyro
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common.runtime import UserError, check_built
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --use_peft, not --model.use-peft
+@dataclass
+class ModelArgs:
+    """memory, precision and LoRA"""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in (auto: the checkpoint's)"""
+    bf16: bool = False
+    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
+    use_peft: bool = False
+    """train LoRA adapters instead of all weights (needs peft); a reference is the base model with adapters off"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    lora_target_modules: list[str] | None = None
+    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
+
+    def lora(self) -> dict | None:
+        """LoraConfig's options with --use_peft, else None (adapt's `lora`)."""
+        return dict(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                    target_modules=self.lora_target_modules) if self.use_peft else None
 
 
 def _from_pretrained(cls, name_or_path: str, what: str, **kwargs):

@@ -1,5 +1,8 @@
-"""Generation batches drawn ahead of the update (--max_staleness K >= 1), in one background thread, while the
-trainer updates on the batch before: the overlap of asynchronous RL (one-step-off at K = 1), in one place.
+"""The rollouts of grpo and rloo beyond their base path (one turn, HF generate, in turn, written in the script):
+with vLLM (--use_vllm, common/vllm.py), multi-turn episodes (--tools / --environment_factory,
+common/episodes.py), and generation batches drawn ahead of the update (--max_staleness K >= 1), in one
+background thread, while the trainer updates on the batch before: the overlap of asynchronous RL (one-step-off
+at K = 1).
 
 The stream hands out generation batches in the data order of K = 0 (the same prompts, the same seeds); only the
 weights that draw them differ. The script publishes its weights at every version boundary (a version: rollouts
@@ -13,7 +16,7 @@ Samplers: a full copy of the policy sampling with HF generate (every rank its ow
 call; published weights are a snapshot, so the copy never changes mid-batch; its log-probs are the script's own
 per-token pass on the copy), or the vLLM server (an HTTP request in the thread; its log-probs are vLLM's; weights
 move over NCCL, which every rank joins, so only while no request runs). A colocated engine shares the training
-devices and cannot overlap (refused in common.vllm.sampler_options)."""
+devices and cannot overlap (refused in check_staleness)."""
 
 import contextlib
 import copy
@@ -26,26 +29,47 @@ from concurrent.futures import Future
 
 import torch
 
-from common.episodes import Episodes
+from common.episodes import Episodes, run_episodes
 from common.generation import Samples
-from common.models import load_policy
+from common.models import deepspeed_stage, load_policy
+from common.runtime import UserError
 from common.vllm import full_parameters, sample_with
+
+
+def check_staleness(k: int, accelerator, *, use_vllm: bool, vllm_mode: str, use_peft: bool,
+                    environment_factory: str | None):
+    """Before anything loads: --max_staleness K and what it can run with."""
+    if k < 0:
+        raise UserError(f"--max_staleness must be >= 0 (got {k})")
+    if k and use_vllm and vllm_mode == "colocate":
+        raise UserError("--max_staleness with a colocated vLLM engine: it shares the training devices, so generation "
+                        "cannot overlap the update; use --vllm_mode server, or HF generate (no --use_vllm)")
+    if k > 1 and use_vllm:
+        raise UserError("--max_staleness > 1 with the vLLM server: its weights change only between requests, so one "
+                        "request in flight (--max_staleness 1) is the whole overlap")
+    if k and use_peft and deepspeed_stage(accelerator) == 3:
+        raise UserError("--max_staleness with --use_peft under ZeRO-3: the sampler's copy cannot take gathered "
+                        "LoRA weights; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
+    if k and environment_factory:
+        raise UserError("--max_staleness with --environment_factory: the environments of batches in flight would have "
+                        "to go into a checkpoint, which holds data only; use --tools, or --max_staleness 0")
 
 
 class RolloutStream:
     """next_batch(version) -> (prompt indices, Episodes): the next generation batch of `batches` (this rank's share
     of each global batch of batch_size prompts, in data order), with one seed per completion from its place in the
-    run (the same samples on 1 or N processes), drawn by draw(indices, seeds, sample, tokenizer, accelerator) ->
-    Episodes, `sample` as run_episodes takes it. K = 0: here and now (common.vllm.sample_with). K >= 1: in the
-    sampler's thread (accelerator None: no other process to keep in step), and logps(policy, input_ids,
-    attention_mask, prompt_width) of the HF copy become the episodes' sampler_logps. args: the script's."""
+    run (the same samples on 1 or N processes), run_episodes(..., **episode_options) of those rows and prompt ids.
+    K = 0: here and now (common.vllm.sample_with). K >= 1: in the sampler's thread (accelerator None: no other
+    process to keep in step), and logps(policy, input_ids, attention_mask, prompt_width) of the HF copy become the
+    episodes' sampler_logps. model_path, dtype: the copy's; gather: --ds3_gather_for_generation."""
 
-    def __init__(self, accelerator, draw, batches, args: dict, resumed: dict, *, batch_size: int, model, tokenizer,
-                 sampler, generate, logps):
-        self.accelerator, self.draw, self.batches, self.batch_size, self.seed = accelerator, draw, batches, \
-            batch_size, args["seed"]
-        self.k, self.sampler, self.logps, self.generate = args["max_staleness"], sampler, logps, generate
-        self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=args["ds3_gather_for_generation"],
+    def __init__(self, accelerator, rows: list, prompt_ids: list, tools, batches, resumed: dict, *, batch_size: int,
+                 seed: int, max_staleness: int, gather: bool, model_path: str, dtype: str, model, tokenizer, sampler,
+                 generate, logps, **episode_options):
+        self.accelerator, self.batches, self.batch_size, self.seed = accelerator, batches, batch_size, seed
+        self.rows, self.prompt_ids, self.tools, self.episode_options = rows, prompt_ids, tools, episode_options
+        self.k, self.sampler, self.logps, self.generate = max_staleness, sampler, logps, generate
+        self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=gather,
                                   generate=generate)  # K = 0: the script's generate on the policy, or vLLM
         self.requested = resumed.get("requested", resumed.get("episode", 0))  # completions requested, every rank's
         self.pending = deque()  # [a future (finished: its result), the version that draws it], oldest first
@@ -59,7 +83,7 @@ class RolloutStream:
             if sampler is None:  # a full copy on every rank (ZeRO-3 / FSDP2 shard the policy, not this)
                 plugin = accelerator.state.deepspeed_plugin
                 with plugin.zero3_init_context_manager(enable=False) if plugin else contextlib.nullcontext():
-                    self.policy = load_policy(args["model_name_or_path"], tokenizer, args["torch_dtype"])
+                    self.policy = load_policy(model_path, tokenizer, dtype)
                 self.policy.eval().to(accelerator.device)
             self.pending.extend([_rebuilt(result), version] for result, version in resumed.get("in_flight", []))
 
@@ -68,8 +92,10 @@ class RolloutStream:
         indices, local = next(self.batches), self.batch_size // self.accelerator.num_processes
         seeds = [self.seed * 10**9 + self.requested + self.accelerator.process_index * local + j for j in range(local)]
         self.requested += self.batch_size
-        return lambda sample, tokenizer, accelerator: (indices, self.draw(indices, seeds, sample, tokenizer,
-                                                                          accelerator))
+        rows, prompt_ids = [self.rows[i] for i in indices], [self.prompt_ids[i] for i in indices]
+        return lambda sample, tokenizer, accelerator: (indices, run_episodes(
+            sample, tokenizer, rows, self.tools, prompt_ids=prompt_ids, seeds=seeds, accelerator=accelerator,
+            **self.episode_options))
 
     def publish(self, model, version: int):
         """At a version boundary, on every rank (ZeRO-3 / FSDP2 gather each weight: a collective): the policy's

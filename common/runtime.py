@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import is_dataclass
 
 import datasets
 import torch
@@ -75,10 +76,16 @@ POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradie
             "max_dynamic_sampling_rounds", "vllm_tensor_parallel_size", "vllm_max_num_batched_tokens")
 
 
-def check_positive(flags: dict):
-    """flags: the script's flag values by name (`vars(args)`)."""
+def flags(args) -> dict:
+    """A script's flag values by name: its Args' own fields and those of its groups (VLLMArgs, ModelArgs, ...)."""
+    return {k: w for k, v in vars(args).items() for k, w in (flags(v) if is_dataclass(v) else {k: v}).items()}
+
+
+def check_positive(args):
+    """args: the script's Args (its groups included)."""
+    values = flags(args)
     for name in POSITIVE:
-        if (value := flags.get(name)) is not None and value <= 0:
+        if (value := values.get(name)) is not None and value <= 0:
             why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
             raise UserError(f"--{name} must be > 0 (got {value}){why}")

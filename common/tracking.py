@@ -5,11 +5,29 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 
 import torch
+import tyro
 from tqdm.auto import tqdm
 
 from common.data import is_conversational, without_nulls
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --track, not --tracking.track
+@dataclass
+class TrackingArgs:
+    """tracking"""
+    run_name: str | None = None
+    """name of the run (default: <script>__<seed>__<unix time>)"""
+    logging_steps: int = 10
+    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "minimal-post-training"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
 
 
 class Tracker:

@@ -18,14 +18,47 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import tyro
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
 from common.generation import Samples, pad, stop_token_ids, truncate_at_stop, unwrapped_for_generation
 from common.models import deepspeed_stage
 from common.runtime import UserError
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --vllm_mode, not --vllm.vllm-mode
+@dataclass
+class VLLMArgs:
+    """sampling with vLLM (common/vllm.py)"""
+    use_vllm: bool = False
+    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: release the engine's memory during the update and take it back to sample"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of the vLLM server"""
+    vllm_server_port: int = 8000
+    """server: HTTP port of the vLLM server"""
+    vllm_group_host: str | None = None
+    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
+    vllm_group_port: int = 51216
+    """server: port on which the trainer opens the NCCL group that carries the weights"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer before giving up"""
 
 
 def _hf_parameters(model):
@@ -127,36 +160,6 @@ def wait_for_server(host: str, port: int, timeout: float) -> tuple[str, int]:
     return url, workers
 
 
-def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):
-    """Sampler-mismatch weights [B, T] of the clipped term from the ratio pi_train / pi_vllm of the sampled tokens
-    (mask; others get 1), and its statistics: token_truncate clamps it to [low, high], token_mask and sequence_mask
-    zero it outside.
-    Called by grpo, rloo and ppo with their sampling-time logprobs (see each script's UPDATE)."""
-    log_ratio, real = (logps - sampler_logps) * mask, mask.bool()
-    if mode == "sequence_mask":  # MIS: one ratio per sequence, the geometric mean exp(mean_t log ratio) of its tokens'
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        real = real.any(-1, keepdim=True)
-    elif mode not in ("token_truncate", "token_mask"):
-        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
-    ratio = torch.exp(log_ratio)
-    outside = (ratio < low) | (ratio > high)
-    weights = ratio.clamp(min=low, max=high) if mode == "token_truncate" else ratio.masked_fill(outside, 0.0)
-    seen = ratio[real]  # statistics over tokens (sequence_mask: sequences); the share outside: truncated or masked
-    return torch.where(mask.bool(), weights, 1.0), dict(mean=seen.mean(), min=seen.min(), max=seen.max(),
-                                                        masked_fraction=outside[real].float().mean())
-
-
-def importance_metrics(accelerator, corrections: list) -> dict:
-    """TRL's sampling/importance_sampling_ratio/* from importance_weights' statistics of several micro-batches, over
-    every process: min of the mins, max of the maxes, mean of the rest."""
-    metrics = {}
-    for k in corrections[0] if corrections else ():
-        v = accelerator.gather(torch.stack([d[k] for d in corrections]))
-        metrics[f"sampling/importance_sampling_ratio/{k}"] = {"min": torch.amin, "max": torch.amax}.get(
-            k, torch.mean)(v).item()
-    return metrics
-
-
 def sample_with(accelerator, model, tokenizer, sampler, *, gather: bool, generate):
     """sample(prompt_ids, seeds, **options) -> Samples: by the VLLMSampler, the policy's weights pushed first when
     they are stale (needs_push), or with `generate` (common.generation's, as the script imported it) on the
@@ -171,34 +174,12 @@ def sample_with(accelerator, model, tokenizer, sampler, *, gather: bool, generat
     return sample
 
 
-def sampler_options(args: dict, accelerator) -> dict:
-    """A script's --vllm_<x> flags as the VLLMSampler's <x> options, checked before anything loads: with
-    --use_vllm, vLLM installed, the options compatible, the server up; --max_staleness's needs (common/rollouts.py)."""
-    options = dict(seed=args["seed"], dtype=args["torch_dtype"], use_peft=args["use_peft"], **{
-        k.removeprefix("vllm_"): v for k, v in args.items() if k.startswith("vllm_") and "importance" not in k})
-    use_vllm, cap, k = args["use_vllm"], args.get("vllm_importance_sampling_cap"), args.get("max_staleness", 0)
-    if use_vllm and cap and args.get("repetition_penalty", 1) != 1:  # README: sampler mismatch
-        raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
-                        "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
-    if k < 0:
-        raise UserError(f"--max_staleness must be >= 0 (got {k})")
-    if k and use_vllm and options["mode"] == "colocate":
-        raise UserError("--max_staleness with a colocated vLLM engine: it shares the training devices, so generation "
-                        "cannot overlap the update; use --vllm_mode server, or HF generate (no --use_vllm)")
-    if k > 1 and use_vllm:
-        raise UserError("--max_staleness > 1 with the vLLM server: its weights change only between requests, so one "
-                        "request in flight (--max_staleness 1) is the whole overlap")
-    if k and use_vllm and cap:
-        raise UserError("--max_staleness with --vllm_importance_sampling_cap: the staleness weight pi_old / "
-                        "pi_behaviour already divides by vLLM's log-probabilities; the two would correct one ratio")
-    if k and args["use_peft"] and deepspeed_stage(accelerator) == 3:
-        raise UserError("--max_staleness with --use_peft under ZeRO-3: the sampler's copy cannot take gathered "
-                        "LoRA weights; use ZeRO-2 (configs/deepspeed_zero2.yaml)")
-    if k and args.get("environment_factory"):
-        raise UserError("--max_staleness with --environment_factory: the environments of batches in flight would have "
-                        "to go into a checkpoint, which holds data only; use --tools, or --max_staleness 0")
-    if use_vllm:
-        VLLMSampler.check(accelerator, **options)
+def sampler_options(args: VLLMArgs, accelerator, *, seed: int, dtype: str, use_peft: bool) -> dict:
+    """The --vllm_<x> flags as the VLLMSampler's <x> options, checked before anything loads (vLLM installed, the
+    options compatible, the server up)."""
+    options = dict(seed=seed, dtype=dtype, use_peft=use_peft,
+                   **{k.removeprefix("vllm_"): v for k, v in vars(args).items() if k != "use_vllm"})
+    VLLMSampler.check(accelerator, **options)
     return options
 
 
