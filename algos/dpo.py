@@ -35,7 +35,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -44,15 +44,15 @@ import tyro
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import (adapt, deepspeed_stage, hint_learning_rate, load_policy,
-                           load_tokenizer, prepare_frozen, reference)
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker
+from common.models import (ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_policy, load_tokenizer,
+                           prepare_frozen, reference)
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs
 
 LossType = Literal["sigmoid", "robust", "hinge", "ipo", "bco_pair", "sppo_hard", "nca_pair", "apo_zero",
                    "apo_down", "simpo"]
@@ -85,6 +85,11 @@ class Args:
     """policy to start from, usually the SFT model"""
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
+    precompute_ref_logps: bool = False
+    """compute the reference logprobs once before training and free the reference model"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
+    exact, not noisy (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr-preference"
     """prompt/chosen/rejected data, or chosen/rejected without a prompt column (strings or conversations: their
     shared start is the prompt): hub name, local directory or file"""
@@ -121,67 +126,17 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output, evaluation and samples
     output_dir: str = "output/dpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    precompute_ref_logps: bool = False
-    """compute the reference logprobs once before training and free the reference model"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
-    exact, not noisy (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     per_device_eval_batch_size: int = 32
     """pairs per eval batch per process"""
     num_sample_generations: int = 4
     """greedy completions of eval prompts printed at each evaluation"""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
-    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -191,12 +146,17 @@ class Args:
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
+    # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
+
 
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: the preference losses
 # ---------------------------------------------------------------------------------------------
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+             ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
              label_smoothing: float = 0.0, simpo_gamma: float = 0.5, bco_delta: float = 0.0):
     """Per-pair losses and implicit rewards beta * log(pi / pi_ref) of chosen and rejected (detached).
 
@@ -334,16 +294,16 @@ def main(args: Args):
         raise UserError("--sync_ref_model needs a reference model; it cannot be used with --reference_free or simpo")
     if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"loss_type robust needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
-    if args.sync_ref_model and args.use_peft:
+    if args.sync_ref_model and args.model.use_peft:
         raise UserError("--sync_ref_model mixes the policy into a separate reference; with --use_peft the reference "
                         "is the base model itself (adapters off), so drop one of the two")
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"dpo__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"dpo__{args.seed}__{int(time.time())}"
     if args.sync_ref_model and deepspeed_stage(accelerator) == 3:
         raise UserError("--sync_ref_model (TR-DPO) mixes the reference with the policy weight by weight, which a "
                         "ZeRO-3-sharded reference cannot do; use ZeRO-2 (configs/deepspeed_zero2.yaml) or FSDP2 "
@@ -359,12 +319,11 @@ def main(args: Args):
         dataset = load_split(args.dataset_name, split)
         check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to dpo.py,")
         examples, skipped = tokenize(dataset, tokenizer, args)
+        reasons = ", ".join(f"{n} {why}" for why, n in skipped.items())
         if skipped:
-            accelerator.print(f"skipped {sum(skipped.values())} of {len(dataset)} pairs of split {split}: "
-                              + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+            accelerator.print(f"skipped {sum(skipped.values())} of {len(dataset)} pairs of split {split}: {reasons}")
         if not examples:
-            raise UserError(f"no pair of split '{split}' is left to train on: "
-                            + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+            raise UserError(f"no pair of split '{split}' is left to train on: {reasons}")
         return examples
 
     train_examples = load(args.dataset_train_split)
@@ -378,22 +337,20 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype), lora=args.model.lora(),
+                  gradient_checkpointing=args.model.gradient_checkpointing, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
-    if not args.reference_free and not args.use_peft:
+    if not args.reference_free and not args.model.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.model.torch_dtype,
+                                                            role="reference"))
 
     @torch.no_grad()
     def reference_logps(examples):
         """Reference (chosen, rejected) logps of examples; zeros when reference-free."""
         if args.reference_free:
-            return (torch.zeros(len(examples), device=accelerator.device),
-                    torch.zeros(len(examples), device=accelerator.device))
+            return (torch.zeros(len(examples), device=accelerator.device),) * 2
         batch = tuple(t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
         with reference(accelerator, model, ref_model) as ref:
             chosen, rejected, _, _ = forward_pairs(ref, batch, mean_logps)
@@ -425,36 +382,31 @@ def main(args: Args):
         gc.collect()
         accelerator.print(f"precomputed reference logprobs of {len(train_examples)} training pairs; "
                           "reference model freed")
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs, "
                       f"loss {args.loss_type}, beta {args.beta}")
 
-    bco_sum, bco_count = 0.0, 0  # running mean of the implicit rewards (bco_pair's delta)
+    loss_options = dict(beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing,
+                        simpo_gamma=args.simpo_gamma)
 
-    def pair_stats(indices, examples, cached_ref, policy, train: bool):
-        """Loss and the TRL metrics of one micro-batch of pairs (indices into `examples`)."""
-        nonlocal bco_sum, bco_count
+    def pair_stats(indices, examples, cached_ref, policy, bco_delta: float):
+        """Loss, the TRL metrics and the summed implicit rewards (for bco_pair's running mean delta) of one
+        micro-batch of pairs (indices into `examples`)."""
         pairs = [examples[i] for i in indices]
         batch = tuple(t.to(accelerator.device) for t in collate(pairs, tokenizer.pad_token_id))
         chosen, rejected, (chosen_counts, rejected_counts), (logits_c, logits_r) = forward_pairs(
             policy, batch, mean_logps)
         ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(pairs)
-        delta = bco_sum / bco_count if bco_count else 0.0
-        losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, beta=args.beta, loss_type=args.loss_type,
-                                              label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma,
-                                              bco_delta=delta)
-        loss = losses.mean()
-        if args.loss_type == "bco_pair" and train:
-            total = accelerator.reduce(torch.stack([reward_c.sum() + reward_r.sum(), torch.tensor(
-                2.0 * len(indices), device=accelerator.device)]), "sum")
-            bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())
+        losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, **loss_options, bco_delta=bco_delta)
+        loss, reward_sum = losses.mean(), reward_c.sum() + reward_r.sum()
         # ipo's loss compares per-token means; the logged rewards stay beta x summed log-ratios
         if args.loss_type == "ipo":
             reward_c, reward_r = reward_c * chosen_counts, reward_r * rejected_counts
@@ -469,10 +421,10 @@ def main(args: Args):
                  "logits/rejected": logits_r.mean()}
         if args.rpo_alpha:
             stats["nll_loss"] = nll.detach()
-        return loss, stats
+        return loss, stats, reward_sum
 
     @torch.no_grad()
-    def evaluate():
+    def evaluate(bco_delta: float):
         """Eval metrics over the eval pairs (each process takes a strided share; means over pairs)."""
         model.eval()
         sums, count = None, torch.zeros((), device=accelerator.device)
@@ -481,7 +433,7 @@ def main(args: Args):
         mine = list(range(len(eval_examples) - len(eval_examples) % world))[accelerator.process_index::world]
         for i in range(0, len(mine), args.per_device_eval_batch_size):
             indices = mine[i:i + args.per_device_eval_batch_size]
-            _, stats = pair_stats(indices, eval_examples, eval_ref, model, train=False)
+            _, stats, _ = pair_stats(indices, eval_examples, eval_ref, model, bco_delta)
             values = torch.stack(list(stats.values())) * len(indices)
             sums = values if sums is None else sums + values
             count += len(indices)
@@ -494,8 +446,9 @@ def main(args: Args):
         if args.num_sample_generations <= 0:
             return
         rows = eval_examples[:args.num_sample_generations]
-        with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
-            if not decodes_here(accelerator, args.ds3_gather_for_generation):
+        gather = args.model.ds3_gather_for_generation
+        with unwrapped_for_generation(accelerator, model, gather) as unwrapped:  # all ranks
+            if not decodes_here(accelerator, gather):
                 return
             ids = generate(unwrapped, tokenizer, [p for p, _, _ in rows], args.max_new_tokens,
                            temperature=0.0).completion_ids
@@ -517,17 +470,23 @@ def main(args: Args):
     batches = micro_batches()
     for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
         next(batches)
-    bco_sum, bco_count = resumed.get("bco", (0.0, 0))
+    bco_sum, bco_count = resumed.get("bco", (0.0, 0))  # running mean of the training rewards (bco_pair's delta)
     if "ref_model" in resumed:  # TR-DPO: the reference has moved since it was loaded
         load_reference_state(ref_model, resumed["ref_model"], accelerator)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
-        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
+        # ---- UPDATE: one optimizer step; every micro-batch holds the same number of pairs, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         totals = None
         for _ in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
-                loss, stats = pair_stats(next(batches), train_examples, train_ref, model, train=True)
+                indices = next(batches)
+                loss, stats, reward_sum = pair_stats(indices, train_examples, train_ref, model,
+                                                     bco_sum / max(bco_count, 1))
+                if args.loss_type == "bco_pair":  # BCO's delta: every training pair's rewards so far, all ranks
+                    total = accelerator.reduce(torch.stack([reward_sum, torch.tensor(
+                        2.0 * len(indices), device=accelerator.device)]), "sum")
+                    bco_sum, bco_count = bco_sum + total[0].item(), bco_count + int(total[1].item())
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -541,7 +500,7 @@ def main(args: Args):
         scheduler.step()
         tracker.step()
 
-        # ---- TR-DPO: pull the reference towards the policy (Gorbatovski et al. 2024, soft update) ----
+        # TR-DPO: pull the reference towards the policy (Gorbatovski et al. 2024, soft update)
         if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
             alpha = args.ref_model_mixup_alpha
             with torch.no_grad():
@@ -556,7 +515,7 @@ def main(args: Args):
                         "epoch": step / max(1, steps_per_epoch),
                         "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)})
         if eval_examples and (step % args.eval_steps == 0 or step == args.num_steps):
-            metrics.update(evaluate())
+            metrics.update(evaluate(bco_sum / max(bco_count, 1)))
             log_samples(step)
         tracker.log(metrics, step)
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values: what the next steps depend on

@@ -41,21 +41,21 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, sampler_options
+from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
+from common.vllm import VLLMArgs, VLLMSampler, sampler_options
 
 
 @dataclass
@@ -72,6 +72,8 @@ class Args:
     # models and data
     model_name_or_path: str = "output/sft"
     """the student, usually an SFT model"""
+    disable_dropout: bool = True
+    """no dropout in the student: its distributions are then exact, not noisy (as TRL)"""
     teacher_model_name_or_path: str = "output/ppo"
     """the teacher: any causal LM with the student's tokenizer (vocabulary)"""
     dataset_name: str = "tiny_tldr/tldr"
@@ -107,88 +109,13 @@ class Args:
     seed: int = 1
     """seed of the run (which prompts are on-policy; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output and samples
     output_dir: str = "output/gkd"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # sampling with vLLM (common/vllm.py)
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_sleep_level: Literal[1, 2] = 2
-    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
-    vllm_tensor_parallel_size: int = 1
-    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
-    vllm_max_num_batched_tokens: int | None = 4096
-    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    # no --vllm_importance_sampling_*: D_beta is a divergence at each visited state, not an estimate under the
-    # sampler; which states vLLM visits does not bias it (token_reward is: use HF generate for it)
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the student's full weights to sample (off: sharded, slower; a model too large
-    to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters on the student instead of all weights (needs peft)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the student: its distributions are then exact, not noisy (as TRL)"""
-
-    # tracking and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 50
     """print a table of the student's completions with their divergence every this many steps"""
     num_sample_generations: int = 4
     """completions shown in the samples table"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -197,6 +124,12 @@ class Args:
     """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,26 +229,54 @@ def on_policy(seed: int, place: int, lmbda: float) -> bool:
     return random.Random(seed * 10**9 + place).random() < lmbda
 
 
+def prompt_batches(num_rows: int, per_step: int, *, seed: int, rank: int, world_size: int):
+    """Endless shuffled global batches of per_step (row, place in the run) pairs, this process's share of each (every
+    world_size-th from `rank`): the same order on every process."""
+    rng, place = random.Random(seed), 0
+    while True:
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        for start in range(0, num_rows - per_step + 1, per_step):
+            batch = [(i, place + j) for j, i in enumerate(order[start:start + per_step])]
+            place += per_step
+            yield batch[rank::world_size]
+
+
+def pad_micro_batch(tokenizer, batch, prompt_ids, student_ids: dict, rows, max_new_tokens: int):
+    """(prompt ids, prompt mask, completion ids, completion mask) of a micro-batch of (row, place) pairs, prompts
+    left-padded and completions right-padded, and whether each completion ends in EOS: the student's completion
+    where `student_ids` has the place, else the dataset's, cut to max_new_tokens."""
+    ids = [student_ids[place] if place in student_ids
+           else encode_completion(tokenizer, rows[i]["prompt"], rows[i]["completion"])[:max_new_tokens]
+           for i, place in batch]
+    p_ids, p_mask = pad([prompt_ids[i] for i, _ in batch], tokenizer.pad_token_id, side="left")
+    c_ids, c_mask = pad(ids, tokenizer.pad_token_id)
+    return (p_ids, p_mask, c_ids, c_mask), torch.tensor([bool(c) and c[-1] == tokenizer.eos_token_id for c in ids])
+
+
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     if not 0 <= args.lmbda <= 1 or not 0 <= args.beta <= 1:
         raise UserError(f"--lmbda {args.lmbda} and --beta {args.beta} must lie in [0, 1]")
-    if args.loss_type == "token_reward" and (args.lmbda != 1 or args.temperature != 1 or args.use_vllm):
+    if args.loss_type == "token_reward" and (args.lmbda != 1 or args.temperature != 1 or args.vllm.use_vllm):
         raise UserError("--loss_type token_reward is a policy gradient, exact only on the student's own samples: it "
                         "needs --lmbda 1 and --temperature 1 and HF generate (no --use_vllm); use --loss_type jsd")
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"gkd__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"gkd__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     args.num_steps = args.max_steps
     if args.max_new_tokens >= args.max_length:
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
                         f"under max_length {args.max_length}")
 
-    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
+    vllm_options = (sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                                    use_peft=args.model.use_peft) if args.vllm.use_vllm else None)
+    # no --vllm_importance_sampling_*: D_beta is a divergence at each visited state, not an estimate under the
+    # sampler; which states vLLM visits does not bias it (token_reward is: use HF generate for it)
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path, role="student")
     teacher_tokenizer = load_tokenizer(args.teacher_model_name_or_path, role="teacher")
@@ -335,84 +296,63 @@ def main(args: Args):
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype, role="student"),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype, role="student"),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
+                  no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
-    teacher = prepare_frozen(accelerator, load_policy(args.teacher_model_name_or_path, tokenizer, args.torch_dtype,
-                                                      role="teacher"))
+    teacher = prepare_frozen(accelerator, load_policy(args.teacher_model_name_or_path, tokenizer,
+                                                      args.model.torch_dtype, role="teacher"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options)
-               if args.use_vllm else None)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+               if args.vllm.use_vllm else None)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts, "
                       f"{args.lmbda:.0%} sampled by the student; teacher {args.teacher_model_name_or_path}")
 
-    def prompt_batches():
-        """Endless shuffled micro-batches of this process's share of each global batch: (row, place in the run)."""
-        rng, place = random.Random(args.seed), 0  # same order on every rank; each rank takes its own slice
-        per_step = args.per_device_train_batch_size * args.world_size
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - per_step + 1, per_step):
-                batch = [(i, place + j) for j, i in enumerate(order[start:start + per_step])]
-                place += per_step
-                yield batch[accelerator.process_index::args.world_size]
-
-    def completions(batch):
-        """(prompt ids, completion ids, completion mask, finished, sampled) of a micro-batch: the student samples
-        the on-policy prompts' completions (every rank calls generate, in step); the others are the dataset's."""
-        sampled = [on_policy(args.seed, place, args.lmbda) for _, place in batch]
-        chosen = [(i, place) for (i, place), s in zip(batch, sampled) if s]
-        ids = {}
-        if args.lmbda > 0:  # every rank samples, a prompt at least (sharded, each forward is collective)
-            seeds = [args.seed * 10**9 + place for _, place in chosen] or [0]
-            chosen_prompts = [prompt_ids[i] for i, _ in chosen] or [prompt_ids[batch[0][0]]]
-            if sampler is not None:
-                if sampler.needs_push:
-                    sampler.push_weights(model)
-                samples = sampler.generate(tokenizer, chosen_prompts, args.max_new_tokens,
-                                           temperature=args.temperature, seeds=seeds)
-            else:
-                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-                    samples = generate(unwrapped, tokenizer, chosen_prompts, args.max_new_tokens,
-                                       temperature=args.temperature, seeds=seeds)
-            for (i, place), c, m in zip(chosen, samples.completion_ids, samples.completion_mask):
-                ids[place] = c[m.bool()].tolist()
-        for i, place in batch:
-            if place not in ids:  # the dataset's completion, cut to max_new_tokens
-                ids[place] = encode_completion(tokenizer, rows[i]["prompt"], rows[i]["completion"])[
-                             :args.max_new_tokens]
-        eos = tokenizer.eos_token_id
-        finished = torch.tensor([bool(ids[place]) and ids[place][-1] == eos for _, place in batch])
-        p_ids, p_mask = pad([prompt_ids[i] for i, _ in batch], tokenizer.pad_token_id, side="left")
-        c_ids, c_mask = pad([ids[place] for _, place in batch], tokenizer.pad_token_id)
-        device = accelerator.device
-        return p_ids.to(device), p_mask.to(device), c_ids.to(device), c_mask.to(device), finished, torch.tensor(sampled)
-
-    batches = prompt_batches()
+    batches = prompt_batches(len(rows), args.per_device_train_batch_size * args.world_size, seed=args.seed,
+                             rank=accelerator.process_index, world_size=args.world_size)
     for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
         next(batches)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
-        # ---- ROLLOUT: the step's completions (the student's samples, or the dataset's) ----
+        # ---- ROLLOUT: the step's completions, the student's samples for the on-policy prompts, the dataset's ----
         if sampler is not None and step > 1:  # the student changed since the engine last got its weights
             sampler.push_weights(model)
-        micro = [(batch, completions(batch))
-                 for batch in (next(batches) for _ in range(args.gradient_accumulation_steps))]
+        micro = []  # per micro-batch: (batch, (prompt ids, mask, completion ids, mask, finished, sampled))
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(batches)
+            sampled = [on_policy(args.seed, place, args.lmbda) for _, place in batch]
+            chosen = [(i, place) for (i, place), s in zip(batch, sampled) if s]
+            student_ids = {}  # place -> the student's completion
+            if args.lmbda > 0:  # every rank samples, a prompt at least (sharded, each forward is collective)
+                seeds = [args.seed * 10**9 + place for _, place in chosen] or [0]
+                chosen_prompts = [prompt_ids[i] for i, _ in chosen] or [prompt_ids[batch[0][0]]]
+                if sampler is not None:
+                    if sampler.needs_push:
+                        sampler.push_weights(model)
+                    samples = sampler.generate(tokenizer, chosen_prompts, args.max_new_tokens,
+                                               temperature=args.temperature, seeds=seeds)
+                else:
+                    gather = args.model.ds3_gather_for_generation
+                    with unwrapped_for_generation(accelerator, model, gather) as unwrapped:
+                        samples = generate(unwrapped, tokenizer, chosen_prompts, args.max_new_tokens,
+                                           temperature=args.temperature, seeds=seeds)
+                for (i, place), c, m in zip(chosen, samples.completion_ids, samples.completion_mask):
+                    student_ids[place] = c[m.bool()].tolist()
+            tensors, finished = pad_micro_batch(tokenizer, batch, prompt_ids, student_ids, rows, args.max_new_tokens)
+            micro.append((batch, (*(t.to(accelerator.device) for t in tensors), finished, torch.tensor(sampled))))
         global_tokens = accelerator.reduce(sum(m.sum() for _, (_, _, _, m, _, _) in micro).float(), "sum")
         num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)
 

@@ -10,19 +10,14 @@ the reward relative to the group as the advantage of every token:
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
 A completion no reward source scores (None / NaN: unknown, not 0) is left out of its group's mean and std and the loss.
-Variants: clip-higher eps_high and token-level normalisation over the whole batch (DAPO, Yu et al. 2025); no std scaling
-and a constant normaliser (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training"); a sequence-level ratio,
-the geometric mean of the token ratios (GSPO, Zheng et al. 2025); batch-std scaling (REINFORCE++, Hu 2025). The
-reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024).
-CISPO's clipped tokens keep a gradient (dapo normaliser); SAPO's smooth gate (grpo normaliser) fades faster for A_i < 0.
-Options: DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025, "Beyond the 80/20 Rule").
-Asynchronous (--max_staleness K, common/rollouts.py; batches drawn by pi_b, up to K rollouts older): decoupled PPO
-(Hilton et al. 2022; AReaL, Fu et al. 2025) clips to pi_old as at K = 0 and weights tokens by min(pi_old / pi_b, C):
-the trust region stays at the current policy (clipping to pi_b would drop the tokens that moved since drawn).
+Variants: clip-higher and token-level normalisation over the batch (DAPO, Yu et al. 2025); no std scaling and a
+constant normaliser (Dr. GRPO, Liu et al. 2025); a sequence-level ratio (GSPO, Zheng et al. 2025); batch-std scaling
+(REINFORCE++, Hu 2025); DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025). The
+reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024). --max_staleness K:
+decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025) on batches drawn by pi_b up to K rollouts older, clipped to
+pi_old, tokens weighted by min(pi_old / pi_b, C) (docs/async.md).
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
-    accelerate launch algos/grpo.py --model_name_or_path output/pythia-1b-sft \
-        --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --output_dir output/pythia-1b-grpo ...
 """
 
 import math
@@ -37,17 +32,22 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, load_split, prompt_batches
-from common.episodes import episode_metrics, load_tools, run_episodes
-from common.generation import generate, pad, shifted_logits, token_entropy_no_grad, token_logprobs
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
+from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
+                         prompt_batches)
+from common.generation import (generate, pad, shifted_logits, token_entropy_no_grad, token_logprobs,
+                               unwrapped_for_generation)
+from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.rollouts import RolloutStream
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_metrics, importance_weights, sampler_options
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
+# features, each entered only where its flags are given
+from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
+from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
+from common.sampler_correction import (SamplerCorrectionArgs, check_correction, importance_metrics,
+                                       importance_weights)  # --vllm_importance_sampling_cap
+from common.vllm import VLLMArgs, VLLMSampler, sampler_options  # --use_vllm
 
 
 @dataclass
@@ -93,9 +93,11 @@ class Args:
     async_importance_sampling_cap: float = 2.0
     """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
-    # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
+    # model, data and rewards
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
+    disable_dropout: bool = True
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
@@ -108,14 +110,6 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
-    tools: list[str] = field(default_factory=list)
-    """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
-    environment_factory: str | None = None
-    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
-    max_tool_calling_iterations: int | None = None
-    """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
-    tool_timeout: float = 60.0
-    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -153,95 +147,27 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output and samples
     output_dir: str = "output/grpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # sampling with vLLM (common/vllm.py)
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_sleep_level: Literal[1, 2] = 2
-    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
-    vllm_tensor_parallel_size: int = 1
-    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
-    vllm_max_num_batched_tokens: int | None = 4096
-    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    vllm_importance_sampling_cap: float | None = None
-    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
-    vllm_importance_sampling_clip_min: float = 0.0
-    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 50
     """print a table of sampled completions with their rewards every this many steps"""
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
+
+    # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
+    # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
-            self.reward_model_paths = [] if self.reward_funcs or self.environment_factory else ["output/reward"]
+            scored = self.reward_funcs or self.episodes.environment_factory
+            self.reward_model_paths = [] if scored else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,6 +193,20 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
     return (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1) >= 1e-6
 
 
+def informative_rows(pool: list[dict], num_generations: int) -> int:
+    """DAPO dynamic sampling: completions of the generation batches drawn (dicts of gathered tensors) that belong to
+    groups whose rewards differ."""
+    return sum(int(informative_groups(b["rewards"], num_generations).sum()) * num_generations for b in pool)
+
+
+def informative_first(pool: list[dict], num_generations: int, size: int) -> dict:
+    """DAPO dynamic sampling: the first `size` rows of the batches drawn, those of informative groups first (in the
+    order drawn), then the others (when max_dynamic_sampling_rounds ran out)."""
+    keep = [informative_groups(b["rewards"], num_generations).repeat_interleave(num_generations) for b in pool]
+    return {k: torch.cat([b[k][m] for m, b in zip(keep, pool)] + [b[k][~m] for m, b in zip(keep, pool)])[:size]
+            for k in pool[0]}
+
+
 def overlong_penalty(lengths, max_completion_length: int, buffer_length: int, factor: float = 1.0):
     """DAPO's soft overlong punishment, L = max_completion_length, C = buffer_length: 0 to L - C, to -factor at L."""
     return ((max_completion_length - buffer_length - lengths) / buffer_length).clamp(min=-1, max=0) * factor
@@ -279,7 +219,7 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float)
     return mask * (entropy >= torch.quantile(entropy[mask.bool()].float(), 1 - quantile))
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type: str = "dapo", epsilon: float = 0.2,
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str = "dapo", epsilon: float = 0.2,
               epsilon_high: float = 0.2, beta: float = 0.0, importance_sampling_level: str = "token",
               max_completion_length: int = 0, num_items_in_batch: float = 0.0, token_weights=1.0,
               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
@@ -350,13 +290,13 @@ class Rollout:
 
 
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
-    args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"grpo__{args.seed}__{int(time.time())}"
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
+    args.world_size, rank = accelerator.num_processes, accelerator.process_index
+    args.tracking.run_name = args.tracking.run_name or f"grpo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
     args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     sizes = (f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
@@ -366,8 +306,14 @@ def main(args: Args):
                         f"multiple of num_generations {args.num_generations} (>= 2)")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if args.max_staleness:  # the features' checks, before anything loads
+        check_staleness(args.max_staleness, accelerator, args)
+    if args.vllm.use_vllm:
+        check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
+                         max_staleness=args.max_staleness)
+        vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                                       use_peft=args.model.use_peft)  # vLLM there, the server up
 
-    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -377,34 +323,40 @@ def main(args: Args):
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
                                f"{sizes} / num_generations {args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, args.dynamic_sampling,
-                        args.tool_timeout) if args.tools or args.environment_factory else None)  # common/episodes.py
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    e = args.episodes  # multi-turn episodes: common/episodes.py
+    tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, args.dynamic_sampling,
+                       e.tool_timeout) if e.tools or e.environment_factory else None
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
+                  no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
-    ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype)) if (
-        args.beta and not args.use_peft) else None  # frozen, never wrapped; beta 0 needs none, LoRA turns adapters off
+    ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype)) \
+        if args.beta and not args.model.use_peft else None  # beta 0 needs none; LoRA turns adapters off instead
     truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.repetition_penalty, **truncation)
+    loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high, beta=args.beta,
+                        importance_sampling_level=args.importance_sampling_level,
+                        max_completion_length=args.max_completion_length,
+                        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
                              args.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
-    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
-                           **vllm_options) if args.use_vllm else None)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                          **vllm_options) if args.vllm.use_vllm else None
+    c = args.checkpoint
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
+                                resume_from=c.resume_from_checkpoint, save_steps=c.save_steps,
+                                save_total_limit=c.save_total_limit, skip_nonfinite_steps=c.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    t = args.tracking
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=t.run_name, config=flags(args),
+                      logging_steps=t.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
+                      wandb_project=t.wandb_project_name if t.track else None, wandb_entity=t.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; {local_size} completions per process and "
                       f"generation batch, {args.num_generations} per prompt; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -414,69 +366,75 @@ def main(args: Args):
     # endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks); on resume
     # from the data position of the checkpoint (a batch per generation batch requested)
     prompts_iter = prompt_batches(len(rows), args.generation_batch_size // args.num_generations, args.num_generations,
-                                  seed=args.seed, rank=accelerator.process_index, local_size=local_size,
+                                  seed=args.seed, rank=rank, local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.generation_batch_size)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
-
-    def draw(indices, seeds, sample, tokenizer, accelerator):
-        """ROLLOUT: num_generations completions per prompt (multi-turn: each the rest of its episode); K >= 1: ahead."""
-        return run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds, accelerator=accelerator,
-                            prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
-                            max_calls=args.max_tool_calling_iterations, **sampling)
-
-    # the generation batches in data order, a seed per completion from its place in the run; K >= 1: drawn ahead
-    stream = RolloutStream(accelerator, draw, prompts_iter, vars(args), resumed, batch_size=args.generation_batch_size,
-                           model=model, tokenizer=tokenizer, sampler=sampler, generate=generate,
-                           logps=lambda policy, ids, mask, width: torch.cat([completion_logps(  # the behaviour's
-                               policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))
-
-    def draw_batch() -> dict:
-        """SCORE: the stream's next batch (K >= 1: drawn by a policy up to K rollouts older) and its rewards (NaN)."""
-        nonlocal episode
-        indices, episodes = stream.next_batch(step // args.num_iterations)  # K >= 1: sampler_logps, the behaviour's
-        episode += args.generation_batch_size
-        samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
-        rewards, per_source = compute_rewards(sources, weights, prompts=[rows[i]["prompt"] for i in indices],
-                                              completions=episodes.completions, columns=columns,
-                                              completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
-        rewards = rewards.to(accelerator.device)  # minus the penalties, of a missing EOS and of an overlong completion
-        if args.missing_eos_penalty is not None:
-            rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
-        if args.overlong_buffer_length:
-            rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length, args.overlong_buffer_length,
-                                                 args.overlong_penalty_factor)
-        return dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask, rewards=rewards,
-                    finished=samples.finished.long(), per_source=torch.stack(list(per_source.values()), 1),
-                    sampler_logps=samples.sampler_logps, **(episodes.batch() if tools else {}))
-
-    def dynamic_sampling(batch: dict) -> tuple[dict, int]:
-        """DAPO: draw generation batches until generation_batch_size completions (every rank's, in rank order) belong
-        to groups whose rewards differ, or max_dynamic_sampling_rounds are drawn (constant groups fill the rest)."""
-        pool = []  # (informative rows, the batch's rows of all ranks)
-        while True:
-            batch = {k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items() if v is not None}
-            pool.append((informative_groups(batch["rewards"], args.num_generations).repeat_interleave(
-                args.num_generations), batch))
-            if sum(int(keep.sum()) for keep, _ in pool) >= args.generation_batch_size or \
-                    len(pool) >= args.max_dynamic_sampling_rounds:
-                break
-            batch = draw_batch()
-        kept = {k: torch.cat([b[k][keep] for keep, b in pool] + [b[k][~keep] for keep, b in pool]) for k in batch}
-        return {k: v[:args.generation_batch_size].chunk(args.world_size)[accelerator.process_index]
-                for k, v in kept.items()}, len(pool)
+    stream = None  # vLLM, multi-turn episodes, batches drawn ahead (K >= 1): common/rollouts.py
+    if sampler or tools or args.max_staleness:
+        stream = RolloutStream(
+            accelerator, rows, prompt_ids, tools, prompts_iter, resumed, batch_size=args.generation_batch_size,
+            seed=args.seed, max_staleness=args.max_staleness, gather=args.model.ds3_gather_for_generation,
+            model_path=args.model_name_or_path, dtype=args.model.torch_dtype, model=model, tokenizer=tokenizer,
+            sampler=sampler, generate=generate, max_prompt_length=args.max_prompt_length,
+            max_calls=e.max_tool_calling_iterations, **sampling,
+            logps=lambda policy, ids, mask, width: torch.cat([completion_logps(  # the behaviour policy's (K >= 1)
+                policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))
 
     # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
     # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if rollout is None:
-            # ---- ROLLOUT and SCORE: num_generations completions per prompt, from the current policy (K = 0) ----
-            stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
-            batch, draws = draw_batch(), 1
-            if args.dynamic_sampling:  # only groups whose rewards differ (every advantage of the others is 0)
-                batch, draws = dynamic_sampling(batch)
+            if stream:
+                stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
+            pool = []  # dynamic sampling: the generation batches drawn, gathered from every rank
+            while True:
+                # ---- ROLLOUT: num_generations completions per prompt from the current policy (K = 0) ----
+                if stream is None:  # one turn with HF generate; a seed per completion from its place in the run
+                    indices = next(prompts_iter)
+                    seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
+                    with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
+                        samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds,
+                                           **sampling)
+                    texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+                    completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
+                                   else text for i, text in zip(indices, texts)]
+                    c_mask, columns, extra = samples.completion_mask, {}, {}
+                else:  # the episode of each (tool results: context), vLLM's samples, or drawn ahead by pi_b
+                    indices, episodes = stream.next_batch(step // args.num_iterations)
+                    samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
+                    c_mask, extra = samples.model_mask, episodes.batch() if tools else {}
+                episode += args.generation_batch_size
+                c_ids = samples.completion_ids
+
+                # ---- SCORE: the rewards (NaN: no source scored it), minus the penalties of a missing EOS and of
+                # an overlong completion ----
+                columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
+                rewards, per_source = compute_rewards(
+                    sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,
+                    columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
+                rewards = rewards.to(accelerator.device)
+                if args.missing_eos_penalty is not None:
+                    rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
+                if args.overlong_buffer_length:
+                    rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length,
+                                                         args.overlong_buffer_length, args.overlong_penalty_factor)
+                batch = dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask,
+                             rewards=rewards, finished=samples.finished.long(), sampler_logps=samples.sampler_logps,
+                             per_source=torch.stack(list(per_source.values()), 1), **extra)
+                if not args.dynamic_sampling:
+                    break
+                # DAPO dynamic sampling: draw until generation_batch_size completions (every rank's) belong to groups
+                # whose rewards differ (the others' advantages are all 0), or max_dynamic_sampling_rounds are drawn
+                pool.append({k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items()
+                             if v is not None})
+                if informative_rows(pool, args.num_generations) >= args.generation_batch_size or \
+                        len(pool) >= args.max_dynamic_sampling_rounds:
+                    batch = {k: v.chunk(args.world_size)[rank] for k, v in informative_first(
+                        pool, args.num_generations, args.generation_batch_size).items()}
+                    break
+            draws = max(len(pool), 1)
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
             rewards, finished = batch["rewards"], batch["finished"].bool()
             p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
@@ -488,7 +446,7 @@ def main(args: Args):
             # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
             all_rewards = accelerator.gather(rewards)
             advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
-            advantages = advantages[accelerator.process_index * local_size:(accelerator.process_index + 1) * local_size]
+            advantages = advantages[rank * local_size:(rank + 1) * local_size]
             loss_mask = c_mask.float() * ~rewards.isnan()[:, None]
             if args.mask_truncated_completions:
                 loss_mask = loss_mask * finished[:, None]
@@ -521,23 +479,21 @@ def main(args: Args):
                                                   args.temperature, entropy=True, **truncation)
                 old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                if r.sampler_logps is not None and args.vllm_importance_sampling_cap:  # (never with K >= 1)
+                if r.sampler_logps is not None and args.correction.vllm_importance_sampling_cap:  # (never with K >= 1)
                     is_weights, is_stats = importance_weights(
-                        old, r.sampler_logps[s], r.completion_mask[s], mode=args.vllm_importance_sampling_mode,
-                        low=args.vllm_importance_sampling_clip_min, high=args.vllm_importance_sampling_cap)
+                        old, r.sampler_logps[s], r.completion_mask[s],
+                        mode=args.correction.vllm_importance_sampling_mode,
+                        low=args.correction.vllm_importance_sampling_clip_min,
+                        high=args.correction.vllm_importance_sampling_cap)
                     corrections.append(is_stats)
                 if args.max_staleness:  # decoupled PPO: the clip is to pi_old (mu == 1: the policy now), and each
                     stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]  # token weighs pi_old / pi_behaviour
                     stats["async/importance_ratio"] += stale.sum() / r.loss_mask[s].sum().clamp(min=1)
                     is_weights = is_weights * stale.clamp(max=args.async_importance_sampling_cap)
-                pg_mask = top_entropy_mask(entropy.detach(), r.loss_mask[s], args.top_entropy_quantile)  # 80/20 rule
+                pg_mask = top_entropy_mask(entropy, r.loss_mask[s], args.top_entropy_quantile)  # the 80/20 rule
                 loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
-                                        loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high,
-                                        beta=args.beta, importance_sampling_level=args.importance_sampling_level,
-                                        max_completion_length=args.max_completion_length,
                                         num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
-                                        sapo_temperature_pos=args.sapo_temperature_pos,
-                                        sapo_temperature_neg=args.sapo_temperature_neg)
+                                        **loss_options)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -572,12 +528,15 @@ def main(args: Args):
             "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
             "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
             "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
-            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {}),  # generation batches drawn
-            **(episode_metrics(accelerator, r.finished, **r.episodes) if r.episodes else {}),  # TRL's tool metrics
-            **stream.metrics()})  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
+            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
         for name, values in r.per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-        metrics.update(importance_metrics(accelerator, corrections))  # TRL's names; over micro-batches
+        if r.episodes:  # TRL's tool metrics
+            metrics.update(episode_metrics(accelerator, r.finished, **r.episodes))
+        if stream:  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
+            metrics.update(stream.metrics())
+        if corrections:  # TRL's names; over micro-batches
+            metrics.update(importance_metrics(accelerator, corrections))
         if step % args.eval_steps == 0 or step == 1:
             tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
                                  zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
@@ -586,10 +545,11 @@ def main(args: Args):
             rollout = None
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, lambda: {"episode": episode, "rollout": rollout and vars(rollout),
-                                                **stream.state()})
+                                                **(stream.state() if stream else {})})
 
     # ---- SAVE ----
-    stream.close()
+    if stream:
+        stream.close()
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
     tracker.close()

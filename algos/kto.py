@@ -25,23 +25,23 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, completion_text, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
+from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen,
+                           reference)
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
 
 
 @dataclass
@@ -61,6 +61,9 @@ class Args:
     """policy to start from, usually the SFT model"""
     ref_model_name_or_path: str | None = None
     """reference model (default: a frozen copy of the starting policy)"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
+    exact, not noisy (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr-preference"
     """prompt/completion/label data, or chosen/rejected pairs (chosen -> label True, rejected -> False) with a prompt
     column or without (their shared start is the prompt): hub name, local directory or file"""
@@ -97,65 +100,17 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output, evaluation and samples
     output_dir: str = "output/kto"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
-    exact, not noisy (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     per_device_eval_batch_size: int = 32
     """completions per eval batch per process"""
     num_sample_generations: int = 4
     """greedy completions of eval prompts printed at each evaluation"""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
-    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -166,11 +121,16 @@ class Args:
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
+    # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
+
 
 # ---------------------------------------------------------------------------------------------
 # ALGO LOGIC: the KTO loss
 # ---------------------------------------------------------------------------------------------
-def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor | float,
+def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor | float, *,
              beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0, loss_type: str = "kto"):
     """Per-completion losses and implicit rewards beta * log(pi / pi_ref) (detached).
 
@@ -290,13 +250,13 @@ def main(args: Args):
     if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
         raise UserError("KTO estimates its KL reference point from mismatched rows of a batch: "
                         "--per_device_train_batch_size must be >= 2")
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"kto__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"kto__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
@@ -308,12 +268,11 @@ def main(args: Args):
         dataset = load_split(args.dataset_name, split)
         fmt = check_columns(dataset, formats, f"dataset '{args.dataset_name}' (split {split}), given to kto.py,")
         examples, skipped = tokenize(unpaired_rows(dataset, fmt), tokenizer, args)
+        reasons = ", ".join(f"{n} {why}" for why, n in skipped.items())
         if skipped:
-            accelerator.print(f"skipped {sum(skipped.values())} rows of split {split}: "
-                              + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+            accelerator.print(f"skipped {sum(skipped.values())} rows of split {split}: {reasons}")
         if not examples:
-            raise UserError(f"no row of split '{split}' is left to train on: "
-                            + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+            raise UserError(f"no row of split '{split}' is left to train on: {reasons}")
         return examples
 
     train_examples = load(args.dataset_train_split)
@@ -337,28 +296,28 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype), lora=args.model.lora(),
+                  gradient_checkpointing=args.model.gradient_checkpointing, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
-    if not args.use_peft:
+    if not args.model.use_peft:
         ref_path = args.ref_model_name_or_path or args.model_name_or_path
-        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.torch_dtype, role="reference"))
+        ref_model = prepare_frozen(accelerator, load_policy(ref_path, tokenizer, args.model.torch_dtype,
+                                                            role="reference"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(train_examples)} training rows ({num_desirable} desirable), {args.num_steps} steps of "
                       f"{args.total_batch_size}, loss {args.loss_type}, beta {args.beta}")
 
@@ -417,8 +376,9 @@ def main(args: Args):
         if args.num_sample_generations <= 0:
             return
         prompts = list(dict.fromkeys(tuple(p) for p, _, _ in eval_examples))[:args.num_sample_generations]
-        with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
-            if not decodes_here(accelerator, args.ds3_gather_for_generation):
+        gather = args.model.ds3_gather_for_generation
+        with unwrapped_for_generation(accelerator, model, gather) as unwrapped:  # all ranks
+            if not decodes_here(accelerator, gather):
                 return
             ids = generate(unwrapped, tokenizer, [list(p) for p in prompts], args.max_new_tokens,
                            temperature=0.0).completion_ids
@@ -443,7 +403,7 @@ def main(args: Args):
         next(batches)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
-        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of rows, so the
+        # ---- UPDATE: one optimizer step; every micro-batch holds the same number of rows, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         micro = [next(batches) for _ in range(args.gradient_accumulation_steps)]
         z0, ref_logps = torch.zeros((), device=accelerator.device), [None] * len(micro)

@@ -32,15 +32,15 @@ import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
+from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, import_function, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, sampler_options
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
+from common.vllm import VLLMArgs, VLLMSampler, sampler_options
 
 
 @dataclass
@@ -56,6 +56,9 @@ class Args:
     # model, data and ranking
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model; also the frozen reference"""
+    disable_dropout: bool = True
+    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
+    exact, not noisy (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
@@ -98,88 +101,13 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output and samples
     output_dir: str = "output/online_dpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # sampling with vLLM (common/vllm.py)
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_sleep_level: Literal[1, 2] = 2
-    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
-    vllm_tensor_parallel_size: int = 1
-    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
-    vllm_max_num_batched_tokens: int | None = 4096
-    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    # no --vllm_importance_sampling_* (grpo, rloo, ppo have them): the DPO loss is a preference loss on the sampled
-    # pairs, not an importance-weighted estimate under pi, so no ratio pi_train / pi_vllm enters it (README)
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy (LoRA's included): its logprobs and the reference's (LoRA: adapters off) are then
-    exact, not noisy (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 50
     """print a table of sampled pairs with their scores every this many steps"""
     num_sample_generations: int = 4
     """pairs shown in the samples table every eval_steps"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -188,6 +116,12 @@ class Args:
     """prompts per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
@@ -251,21 +185,41 @@ def online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
+def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, *, prompt_width):
+    """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
+    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
+    return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
+
+
+def prompt_batches(num_rows: int, per_step: int, *, seed: int, rank: int, world_size: int):
+    """Endless shuffled global batches of per_step row indices, this process's share of each (every world_size-th
+    from `rank`): the same order on every process."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        for start in range(0, num_rows - per_step + 1, per_step):
+            yield order[start:start + per_step][rank::world_size]
+
+
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"online_dpo__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"online_dpo__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     args.num_steps = args.max_steps
     if args.max_new_tokens >= args.max_length:
         raise UserError(f"max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
                         f"under max_length {args.max_length}")
 
-    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
+    vllm_options = (sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                                    use_peft=args.model.use_peft) if args.vllm.use_vllm else None)
+    # no --vllm_importance_sampling_* (grpo, rloo, ppo have them): the DPO loss is a preference loss on the sampled
+    # pairs, not an importance-weighted estimate under pi, so no ratio pi_train / pi_vllm enters it (README)
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -277,14 +231,13 @@ def main(args: Args):
                                f"{args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
+                  no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
-    if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    if not args.model.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     judge = None
     if args.judge:
         judge = import_judge(args.judge)
@@ -297,35 +250,22 @@ def main(args: Args):
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_length, **vllm_options)
-               if args.use_vllm else None)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+               if args.vllm.use_vllm else None)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     ranked_by = "judge " + args.judge if judge else ", ".join(n for n, _, _ in sources)
     accelerator.print(f"{len(rows)} prompts; {args.num_steps} steps of {args.total_batch_size} prompts x 2 completions;"
                       f" ranked by {ranked_by}")
 
-    def prompt_batches():
-        """Endless shuffled micro-batches of this process's share of each global batch (row indices)."""
-        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
-        per_step = args.per_device_train_batch_size * args.world_size
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - per_step + 1, per_step):
-                yield order[start:start + per_step][accelerator.process_index::args.world_size]
-
-    def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, *, prompt_width):
-        """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
-        logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-        return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
-
-    batches = prompt_batches()
+    batches = prompt_batches(len(rows), args.per_device_train_batch_size * args.world_size, seed=args.seed,
+                             rank=accelerator.process_index, world_size=args.world_size)
     for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
         next(batches)
     episode = resumed.get("episode", 0)  # also gives the sampling seeds
@@ -349,7 +289,7 @@ def main(args: Args):
                 samples = sampler.generate(tokenizer, batch_prompt_ids, args.max_new_tokens,
                                            temperature=args.temperature, seeds=seeds)
             else:
-                with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
+                with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as unwrapped:
                     samples = generate(unwrapped, tokenizer, batch_prompt_ids, args.max_new_tokens,
                                        temperature=args.temperature, seeds=seeds)
             p_ids, p_mask = samples.prompt_ids, samples.prompt_mask
@@ -359,7 +299,7 @@ def main(args: Args):
             prompt_width = p_ids.shape[1]
             episode += len(pair_indices) * args.world_size
 
-            # ---- SCORE and RANK: chosen = the higher score (ties: the first sample) ----
+            # ---- SCORE: reward models and functions, or the judge; the EOS trick ----
             texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
             prompts = [rows[i]["prompt"] for i in pair_indices]
             completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
@@ -377,8 +317,10 @@ def main(args: Args):
                     source_scores[name].append(values.to(accelerator.device))
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
-            # a pair with an unscorable completion (no reward source scored it: NaN) stays out of the
-            # loss (its share of the mean is 0); score metrics count it as 0
+
+            # ---- ADVANTAGES (DPO's: the ranking): chosen = the higher score (ties: the first sample). A pair
+            # with an unscorable completion (no reward source scored it: NaN) stays out of the loss (its share
+            # of the mean is 0); score metrics count it as 0
             rows_c, rows_r, ranked = pair_rows(scores)
             unscored, pairs = scores.isnan().float().mean(), scores.nan_to_num().view(-1, 2)
 

@@ -20,7 +20,6 @@ N+ details are marked `N+ detail` where they are implemented.
 
 import contextlib
 import os
-import random
 import sys
 import time
 from collections import defaultdict
@@ -31,17 +30,19 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
+from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
+                         prompt_batches)
 from common.generation import (generate, real_positions, shifted_logits, token_entropy_no_grad, token_logprobs,
                                unwrapped_for_generation)
-from common.models import (adapt, hint_learning_rate, load_policy, load_reward_model,
-                           load_tokenizer, prepare_frozen)
+from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_reward_model, load_tokenizer,
+                           prepare_frozen)
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights, sampler_options
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights
+from common.tracking import Tracker, TrackingArgs, reduce_stats
+from common.vllm import VLLMArgs, VLLMSampler, sampler_options
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Args:
     """extra reward functions `module:function` called as TRL does (None or NaN: not scored; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, the reward model first (default all 1; 0: logged, not optimised)"""
+    disable_dropout: bool = True
+    """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are
+    then exact, and the first pass's ratio is 1 (as TRL)"""
 
     # sampling
     response_length: int = 48
@@ -112,94 +116,15 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output, memory and samples
     output_dir: str = "output/ppo"
     """where the policy, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many rollouts (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # sampling with vLLM (common/vllm.py)
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_sleep_level: Literal[1, 2] = 2
-    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
-    vllm_tensor_parallel_size: int = 1
-    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
-    vllm_max_num_batched_tokens: int | None = 4096
-    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    vllm_importance_sampling_cap: float | None = None
-    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
-    vllm_importance_sampling_clip_min: float = 0.0
-    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
-
-    # memory, precision and LoRA
     local_rollout_forward_batch_size: int = 64
     """rows per no-grad forward pass during the rollout"""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are
-    then exact, and the first pass's ratio is 1 (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many rollouts (all go to the JSONL file)"""
     eval_steps: int = 25
     """print a table of sampled responses with their scores every this many rollouts"""
     num_sample_generations: int = 4
     """responses shown in the samples table every eval_steps"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -209,6 +134,13 @@ class Args:
     world_size"""
     num_steps: int = 0
     """optimizer steps = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+
+    # shared groups, each defined where it is read: common/{models,vllm,sampler_correction,checkpoint,tracking}.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,20 +262,22 @@ class Rollout:
 
 
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"ppo__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"ppo__{args.seed}__{int(time.time())}"
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.rollout_batch_size = local_size * args.world_size
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     per_device = args.per_device_train_batch_size
     mini_size = per_device * args.gradient_accumulation_steps
 
-    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
+    check_correction(args.correction, use_vllm=args.vllm.use_vllm)
+    vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                                   use_peft=args.model.use_peft) if args.vllm.use_vllm else None  # vLLM, server up
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
@@ -355,22 +289,21 @@ def main(args: Args):
                                f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
                                f"{args.num_mini_batches} x {args.world_size} processes")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                   gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    lora = args.model.lora()  # None without --use_peft
+    policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype), lora=lora,
+                   gradient_checkpointing=args.model.gradient_checkpointing, no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, policy, args.learning_rate, Args.learning_rate)
     # N+ detail: the value model is initialised from the reward model (a separate network)
     reward_tokenizer = load_tokenizer(args.reward_model_path, role="reward model")
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError("the value model starts from the reward model, so the reward model's tokenizer must be "
                         "the policy's")
-    value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.torch_dtype),
-                        gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout,
-                        task_type="SEQ_CLS")
+    value_model = adapt(load_reward_model(args.reward_model_path, reward_tokenizer, args.model.torch_dtype),
+                        gradient_checkpointing=args.model.gradient_checkpointing, lora=lora,
+                        no_dropout=args.disable_dropout, task_type="SEQ_CLS")
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
-    if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    if not args.model.use_peft:
+        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
                                            accelerator)
     model = PolicyAndValue(policy, value_model)
@@ -378,36 +311,30 @@ def main(args: Args):
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    ckpt = args.checkpoint
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
     sampler = None
-    if args.use_vllm:
+    if args.vllm.use_vllm:
         sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length,
                               **vllm_options)
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track = args.tracking
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
 
-    def prompt_batches():
-        """Endless shuffled batches of this process's share of each rollout's prompts."""
-        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - args.rollout_batch_size + 1, args.rollout_batch_size):
-                yield order[start:start + args.rollout_batch_size][accelerator.process_index * local_size:][:local_size]
-
-    batches = prompt_batches()
+    # this process's share of each rollout's prompts, one shuffle per pass (the same on every rank); a resumed run
+    # passes over the batches it trained on
+    batches = prompt_batches(len(rows), args.rollout_batch_size, 1, seed=args.seed, rank=accelerator.process_index,
+                             local_size=local_size, skip=resumed.get("step", 0))
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     start_time, episode, push_seconds = time.time(), 0, float("nan")
     if resumed:  # what the loop carries across rollouts (the episode counter also gives the sampling seeds)
-        for _ in range(resumed["step"]):  # the data position
-            next(batches)
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
         episode = resumed["episode"]
     start_episode = episode  # eps counts this process's episodes
@@ -424,7 +351,8 @@ def main(args: Args):
                                        seeds=seeds)
         else:
             # the policy alone gathered (not the value model): ZeRO-3 / FSDP2 peak memory is one full model
-            with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation, part="policy") as policy:
+            gather = args.model.ds3_gather_for_generation
+            with unwrapped_for_generation(accelerator, model, gather, part="policy") as policy:
                 samples = generate(policy, tokenizer, batch_prompt_ids, args.response_length,
                                    temperature=args.temperature, seeds=seeds)
         p_ids, p_mask = samples.prompt_ids, samples.prompt_mask
@@ -462,9 +390,7 @@ def main(args: Args):
         elif args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~finished).float()
 
-        # ---- REWARDS and ADVANTAGES: KL-shaped rewards, GAE, whitened advantages, over the whole
-        # rollout gathered on every rank (micro-batches are then drawn from one global shuffle, so
-        # the update does not depend on how many processes share it) ----
+        # ---- ADVANTAGES: KL-shaped rewards, GAE, whitened advantages, over the whole rollout gathered (Rollout) ----
         mine = Rollout(input_ids=input_ids, attention_mask=attention_mask, response_ids=r_ids, mask=mask,
                        old_logps=old_logps, ref_logps=ref_logps, old_values=old_values, sampler_logps=sampler_logps,
                        sampled=sampled, scores=scores)
@@ -481,11 +407,11 @@ def main(args: Args):
         # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly
         # from the trainer's
         is_weights, is_stats = torch.ones_like(r.old_logps), {}
-        if sampler is not None and args.vllm_importance_sampling_cap:
+        if sampler is not None and args.correction.vllm_importance_sampling_cap:
             is_weights, is_stats = importance_weights(r.old_logps, r.sampler_logps, r.sampled,
-                                                      mode=args.vllm_importance_sampling_mode,
-                                                      low=args.vllm_importance_sampling_clip_min,
-                                                      high=args.vllm_importance_sampling_cap)
+                                                      mode=args.correction.vllm_importance_sampling_mode,
+                                                      low=args.correction.vllm_importance_sampling_clip_min,
+                                                      high=args.correction.vllm_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches steps of the clipped policy and value losses ----
         stats = defaultdict(float)  # name -> sum over micro-batches

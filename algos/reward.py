@@ -20,23 +20,22 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (NO_SHARED_START, check_columns, encode_completion, encode_prompt, load_split,
                          split_implicit_prompt)
 from common.generation import decodes_here, pad, unwrapped_for_generation
-from common.models import adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
+from common.models import ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
 from common.rewards import last_token_scores
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
 
 
 @dataclass
@@ -80,60 +79,15 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output, evaluation and samples
     output_dir: str = "output/reward"
     """where the reward model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 150
     """evaluate every this many optimizer steps (and at the end)"""
     per_device_eval_batch_size: int = 64
     """pairs per eval batch per process"""
     num_sample_pairs: int = 4
     """eval pairs printed with their rewards at each evaluation"""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 scores (off: every
-    rank scores it sharded, in step; slower, for a model too large to gather)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -142,6 +96,11 @@ class Args:
     """pairs per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +160,18 @@ def rewards_of(model, batch, device):
     return chosen, rejected, margin.to(device)
 
 
+def micro_batches(examples, args, rank: int, pad_id: int):
+    """Endless shuffled micro-batches of process `rank`'s share of each global batch."""
+    rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+    per_step = args.per_device_train_batch_size * args.world_size
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for start in range(0, len(order) - per_step + 1, per_step):
+            chunk = order[start:start + per_step][rank::args.world_size]
+            yield collate([examples[i] for i in chunk], pad_id)
+
+
 @torch.no_grad()
 def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Preference accuracy, loss and mean rewards over the eval pairs (all processes)."""
@@ -227,9 +198,9 @@ def log_samples(model, tokenizer, eval_examples, args, *, tracker, step: int, ac
     """A few eval pairs with the rewards the model gives them."""
     if args.num_sample_pairs <= 0:
         return
-    examples = eval_examples[:args.num_sample_pairs]
-    with torch.no_grad(), unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:
-        if not decodes_here(accelerator, args.ds3_gather_for_generation):
+    examples, gather = eval_examples[:args.num_sample_pairs], args.model.ds3_gather_for_generation
+    with torch.no_grad(), unwrapped_for_generation(accelerator, model, gather) as unwrapped:
+        if not decodes_here(accelerator, gather):
             return
         chosen, rejected, _ = rewards_of(unwrapped, collate(examples, tokenizer.pad_token_id), accelerator.device)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -238,13 +209,13 @@ def log_samples(model, tokenizer, eval_examples, args, *, tracker, step: int, ac
 
 
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"reward__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"reward__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
@@ -273,10 +244,8 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.torch_dtype, new_head=True),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, task_type="SEQ_CLS")
+    model = adapt(load_reward_model(args.model_name_or_path, tokenizer, args.model.torch_dtype, new_head=True),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(), task_type="SEQ_CLS")
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     if hasattr(model, "score") and not any("SequenceClassification" in a for a in model.config.architectures or []):
         # a fresh head, initialised as in Stiennon et al. 2020 (N+ detail: std 1/sqrt(d_model + 1)); under
@@ -292,33 +261,23 @@ def main(args: Args):
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs")
 
-    def micro_batches():
-        """Endless shuffled micro-batches of this process's share of each global batch."""
-        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
-        per_step = args.per_device_train_batch_size * args.world_size
-        while True:
-            order = list(range(len(train_examples)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - per_step + 1, per_step):
-                chunk = order[start:start + per_step][accelerator.process_index::args.world_size]
-                yield collate([train_examples[i] for i in chunk], tokenizer.pad_token_id)
-
-    batches = micro_batches()
+    batches = micro_batches(train_examples, args, accelerator.process_index, tokenizer.pad_token_id)
     for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
         next(batches)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
-        # ---- TRAIN: one optimizer step; every micro-batch holds the same number of pairs, so the
+        # ---- UPDATE: one optimizer step; every micro-batch holds the same number of pairs, so the
         # mean over micro-batches (accelerate divides by gradient_accumulation_steps) is exact ----
         stats = defaultdict(float)  # name -> sum over micro-batches
         for _ in range(args.gradient_accumulation_steps):

@@ -1,32 +1,32 @@
 """REINFORCE Leave-One-Out (RLOO): online RL whose baseline is the other samples of the same prompt.
 
 RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-from Human Feedback in LLMs") samples k completions per prompt. The reward of a completion is its
-score minus a KL penalty to the reference (Ziegler et al. 2019), and its baseline is the mean
-reward of the other k - 1 completions, an unbiased baseline that needs no value network:
+from Human Feedback in LLMs") samples k completions per prompt. A completion's reward is its score
+minus a KL penalty to the reference (Ziegler et al. 2019); its baseline, the mean reward of the
+other k - 1 completions, is unbiased and needs no value network:
 
     R_i = score_i - kl_coef * sum_t (log pi_old(o_t) - log pi_ref(o_t))      (sequence-level KL)
     A_i = R_i - (sum_j R_j - R_i) / (k - 1)
 
 The update is the PPO clipped surrogate on per-token ratios against the sampling-time logprobs,
-num_ppo_epochs passes of num_mini_batches optimizer steps each. With --token_level_kl the KL
-penalty is a per-token reward and each token's advantage uses the return from that token on
-(REINFORCE++-style reward-to-go, Hu 2025). The EOS trick and reward normalisation follow the N+
-implementation details (Huang et al. 2024). --loss_type cispo / sapo replace the clipped surrogate by
-grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), with the same token mean:
+num_ppo_epochs passes of num_mini_batches optimizer steps each. --token_level_kl: the KL penalty is
+a per-token reward, a token's advantage the return from it on (REINFORCE++'s reward-to-go, Hu 2025).
+The EOS trick and reward normalisation follow the N+ implementation details (Huang et al. 2024).
+--loss_type cispo / sapo: grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025):
 
     cispo: -sg(min(ratio_t, 1 + cliprange)) * A_t * log pi(o_t)        (clipped tokens keep a gradient)
     sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_t, tau = tau_pos if A_t > 0 else tau_neg
 
-Asynchronous rollouts (--max_staleness K, common/rollouts.py): rollouts drawn by pi_b, up to K rollouts older than
-the policy pi_old whose logprobs the update clips against. Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025)
-keeps that clip and weights each token by min(pi_old / pi_b, C): the trust region stays at the current policy.
+Asynchronous (--max_staleness K, common/rollouts.py): rollouts drawn by pi_b, up to K rollouts older than pi_old.
+Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025) clips to pi_old and weights each token by
+min(pi_old / pi_b, C): the trust region stays at the current policy.
 
     python algos/rloo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
     accelerate launch algos/rloo.py --model_name_or_path output/pythia-1b-sft \
         --dataset_name trl-lib/tldr --reward_model_paths output/pythia-1b-rm --output_dir output/pythia-1b-rloo ...
 """
 
+import functools
 import math
 import os
 import sys
@@ -39,17 +39,20 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, load_split, prompt_batches
-from common.episodes import episode_metrics, load_tools, run_episodes
-from common.generation import generate, shifted_logits, token_entropy_no_grad, token_logprobs
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
+from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
+                         prompt_batches)
+from common.generation import generate, shifted_logits, token_entropy_no_grad, token_logprobs, unwrapped_for_generation
+from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.rollouts import RolloutStream
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker, reduce_stats
-from common.vllm import VLLMSampler, importance_weights, sampler_options
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs, reduce_stats
+# features, each entered only where its flags are given
+from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
+from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
+from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights  # --vllm_importance_*
+from common.vllm import VLLMArgs, VLLMSampler, sampler_options  # --use_vllm
 
 
 @dataclass
@@ -86,9 +89,11 @@ class Args:
     async_importance_sampling_cap: float = 2.0
     """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
-    # model, data and rewards; multi-turn episodes with tools and environments (common/episodes.py)
+    # model, data and rewards
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
+    disable_dropout: bool = True
+    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
@@ -101,14 +106,6 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
-    tools: list[str] = field(default_factory=list)
-    """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
-    environment_factory: str | None = None
-    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
-    max_tool_calling_iterations: int | None = None
-    """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
-    tool_timeout: float = 60.0
-    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -146,104 +143,27 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output and samples
     output_dir: str = "output/rloo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many rollouts (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # sampling with vLLM (common/vllm.py)
-    use_vllm: bool = False
-    """sample with vLLM instead of HF generate (needs `pip install 'minimal-post-training[vllm]'` and a GPU)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine inside each training process; server: a `vllm serve` on other GPUs"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """colocate: share of each GPU's memory the engine may take (weights + KV cache)"""
-    vllm_enable_sleep_mode: bool = False
-    """colocate: release the engine's memory during the update and take it back to sample"""
-    vllm_sleep_level: Literal[1, 2] = 2
-    """colocate, sleep mode: 2 drops the weights while asleep (each rollout pushes them again), 1 keeps a CPU copy"""
-    vllm_tensor_parallel_size: int = 1
-    """colocate: processes that share one engine, each holding a slice of it (a divisor of the number of processes)"""
-    vllm_max_num_batched_tokens: int | None = 4096
-    """colocate: tokens vLLM schedules per step (bounds the activation memory it reserves; TRL's value)"""
-    vllm_server_host: str = "127.0.0.1"
-    """server: host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """server: HTTP port of the vLLM server"""
-    vllm_group_host: str | None = None
-    """server: this machine's address as the server reaches it, for the weights' NCCL group (default: by connecting)"""
-    vllm_group_port: int = 51216
-    """server: port on which the trainer opens the NCCL group that carries the weights"""
-    vllm_server_timeout: float = 240.0
-    """server: seconds to wait for the server to answer before giving up"""
-    vllm_importance_sampling_cap: float | None = None
-    """sampler-mismatch correction (None: off): upper bound of the ratio pi_train / pi_vllm (TIS e.g. 2, IcePop 5)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_mask"] = "token_truncate"
-    """TIS (Yao et al. 2025) clamps ratios; IcePop (Ling Team 2025) zeroes tokens; MIS (Liu et al. 2025) sequences"""
-    vllm_importance_sampling_clip_min: float = 0.0
-    """lower bound of the ratio (TRL's name): truncation raises a ratio to it, masking zeroes below it (IcePop 0.5)"""
-
-    # memory, precision and LoRA
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the policy's weights to sample (off: sharded, slower, for models too large to gather)"""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-    disable_dropout: bool = True
-    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 25
     """print a table of sampled completions with their scores every this many rollouts"""
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
-    # filled in at runtime
-    world_size: int = 0
-    """number of processes (set at runtime)"""
-    rollout_batch_size: int = 0
-    """completions per rollout = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches
-    x world_size"""
-    num_steps: int = 0
-    """optimizer steps of the run = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
+    # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
+    # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
     def __post_init__(self):
         if self.reward_model_paths is None:  # the default reward model only when nothing else scores
-            self.reward_model_paths = [] if self.reward_funcs or self.environment_factory else ["output/reward"]
+            scored = self.reward_funcs or self.episodes.environment_factory
+            self.reward_model_paths = [] if scored else ["output/reward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,11 +197,10 @@ def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.T
     return (returns - baseline.flatten()[:, None]) * mask * keep
 
 
-def rloo_loss(logps, old_logps, advantages, mask, cliprange: float, token_weights=1.0, loss_type: str = "ppo",
+def rloo_loss(logps, old_logps, advantages, mask, *, cliprange: float, token_weights=1.0, loss_type: str = "ppo",
               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
-    """PPO clipped surrogate (or the cispo / sapo token loss), mean over the micro-batch's completion tokens.
-    advantages: [B] or [B, T]; token_weights: importance weights (vLLM sampler correction). Returns (loss,
-    ratio, whether each token was clipped: cispo's weight truncated; never for sapo)."""
+    """PPO clipped surrogate (or cispo / sapo), mean over the micro-batch's tokens; advantages [B] or [B, T];
+    token_weights: importance weights. Returns (loss, ratio, clipped: cispo's weight truncated; never for sapo)."""
     ratio = torch.exp(logps - old_logps)
     a = advantages if advantages.dim() == 2 else advantages[:, None]
     if loss_type == "cispo":  # the weight is a constant: its gradient is the truncated REINFORCE one
@@ -307,163 +226,158 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
 
 def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
                      **truncation):
-    """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
-    (token_logprobs: logits / temperature, top_k / top_p / min_p `truncation`); entropy=True: also each position's
-    entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
+    """Log-probability of each completion token, input_ids[:, prompt_width:] (prompts left-padded), under the
+    distribution that drew it (logits / temperature, truncated); entropy=True: also each position's entropy."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
     logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
     return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
 
 
-@dataclass
-class Rollout:
-    """One rollout, every rank's (gathered: the update draws its micro-batches from one global shuffle), and
-    what its num_ppo_epochs x num_mini_batches updates need."""
-    input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
-    attention_mask: torch.Tensor
-    prompt_width: int  # P
-    mask: torch.Tensor  # [B, T] completion tokens that enter the loss (unscorable completions' do not)
-    old_logps: torch.Tensor  # [B, T] the sampling-time policy's
-    advantages: torch.Tensor  # [B] or [B, T] (token_level_kl)
-    is_weights: torch.Tensor  # [B, T] sampler-mismatch correction (1: off)
+@torch.no_grad()
+def rollout_logps(policy, input_ids, attention_mask, prompt_width: int, batch_size: int, temperature: float,
+                  **truncation):
+    """completion_logps without gradients, batch_size rows at a time (old, reference and behaviour logprobs)."""
+    return torch.cat([completion_logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
+                                       prompt_width, temperature, **truncation)
+                      for i in range(0, len(input_ids), batch_size)])
 
 
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
-    args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"rloo__{args.seed}__{int(time.time())}"
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
+    args.world_size, rank = accelerator.num_processes, accelerator.process_index
+    args.tracking.run_name = args.tracking.run_name or f"rloo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
-    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    args.rollout_batch_size = local_size * args.world_size
-    if args.rloo_k < 2 or args.rollout_batch_size % args.rloo_k:
-        raise UserError(
-            f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
-            f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x {args.world_size} "
-            f"processes = {args.rollout_batch_size} completions per rollout, which must be a multiple of rloo_k "
-            f"{args.rloo_k} (>= 2)")
-    args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
     per_device = args.per_device_train_batch_size
     mini_size = per_device * args.gradient_accumulation_steps
+    local_size = mini_size * args.num_mini_batches
+    args.rollout_batch_size = local_size * args.world_size  # completions per rollout
+    sizes = (f"per_device_train_batch_size {per_device} x gradient_accumulation_steps "
+             f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
+             f"{args.world_size} processes")
+    if args.rloo_k < 2 or args.rollout_batch_size % args.rloo_k:
+        raise UserError(f"{sizes} = {args.rollout_batch_size} completions per rollout, which must be a multiple of "
+                        f"rloo_k {args.rloo_k} (>= 2)")
+    args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
+    multi_turn = bool(args.episodes.tools or args.episodes.environment_factory)
+    if args.max_staleness:  # features' checks, before anything loads
+        check_staleness(args.max_staleness, accelerator, use_vllm=args.vllm.use_vllm, vllm_mode=args.vllm.vllm_mode,
+                        use_peft=args.model.use_peft, environment_factory=args.episodes.environment_factory)
+    if args.vllm.use_vllm:
+        check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
+                         max_staleness=args.max_staleness)
+        vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                                       use_peft=args.model.use_peft)  # vLLM there, the server up
 
-    vllm_options = sampler_options(vars(args), accelerator)  # --vllm_<x> as <x>, checked: vLLM, the server up
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     check_columns(dataset, {"prompt-only": ["prompt"]},
                   f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
-                               f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
-                               f"{args.num_mini_batches} x {args.world_size} processes / rloo_k {args.rloo_k}")
+    check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k, f"{sizes} / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    tools = (load_tools(tokenizer, args.tools, args.environment_factory, local_size, rows, timeout=args.tool_timeout)
-             if args.tools or args.environment_factory else None)  # multi-turn episodes (common/episodes.py)
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora, no_dropout=args.disable_dropout)
+    e = args.episodes
+    tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, timeout=e.tool_timeout) \
+        if multi_turn else None
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
+                  no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
-    ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
-    if not args.use_peft:
-        ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.torch_dtype))
+    ref_model = None if args.model.use_peft else prepare_frozen(  # frozen, never wrapped; LoRA turns adapters off
+        accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.repetition_penalty, **truncation)
+    logps_options = dict(batch_size=per_device, temperature=args.temperature, **truncation)
+    loss_options = dict(cliprange=args.cliprange, loss_type=args.loss_type,
+                        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
-    sampler = (VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
-                           **vllm_options) if args.use_vllm else None)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
+                          **vllm_options) if args.vllm.use_vllm else None
+    c = args.checkpoint
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
+                                resume_from=c.resume_from_checkpoint, save_steps=c.save_steps,
+                                save_total_limit=c.save_total_limit, skip_nonfinite_steps=c.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    t = args.tracking
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=t.run_name, config=flags(args),
+                      logging_steps=t.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
+                      wandb_project=t.wandb_project_name if t.track else None, wandb_entity=t.wandb_entity)
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} "
                       f"prompts x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                       "mini-batches each; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
-    def no_grad_logps(policy, input_ids, attention_mask, prompt_width):
-        with torch.no_grad():
-            return torch.cat([completion_logps(policy, input_ids[i:i + args.per_device_train_batch_size],
-                                               attention_mask[i:i + args.per_device_train_batch_size], prompt_width,
-                                               args.temperature, **truncation)
-                              for i in range(0, len(input_ids), args.per_device_train_batch_size)])
-
     episode = resumed.get("episode", 0)  # completions taken
     start_time, start_episode = time.time(), episode  # eps counts this process's episodes
-    # endless: the global rollout's prompts, each rloo_k times, then this rank's share (groups span ranks); on resume
-    # from the data position of the checkpoint (a batch per rollout requested)
+    # endless: each rollout's prompts, rloo_k times each, this rank's share; resumed at the checkpoint's data position
     prompts_iter = prompt_batches(len(rows), args.rollout_batch_size // args.rloo_k, args.rloo_k, seed=args.seed,
-                                  rank=accelerator.process_index, local_size=local_size,
+                                  rank=rank, local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.rollout_batch_size)
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     if resumed:
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
-
-    def draw(indices, seeds, sample, tokenizer, accelerator):
-        """ROLLOUT: rloo_k completions per prompt (multi-turn: each the rest of its episode); K >= 1: ahead."""
-        return run_episodes(sample, tokenizer, [rows[i] for i in indices], tools, seeds=seeds, accelerator=accelerator,
-                            prompt_ids=[prompt_ids[i] for i in indices], max_prompt_length=args.max_prompt_length,
-                            max_calls=args.max_tool_calling_iterations, **sampling)
-
-    # the rollouts in data order, a seed per completion from its place in the run; K >= 1: drawn ahead
-    stream = RolloutStream(accelerator, draw, prompts_iter, vars(args), resumed, batch_size=args.rollout_batch_size,
-                           model=model, tokenizer=tokenizer, sampler=sampler, generate=generate,
-                           logps=no_grad_logps)  # the behaviour's
-
-    def draw_batch() -> dict:
-        """SCORE: the stream's next rollout (K >= 1: drawn by a policy up to K rollouts older) and its scores (NaN:
-        no source scored it); only the model's tokens (samples.model_mask) are trained."""
-        nonlocal episode
-        indices, episodes = stream.next_batch(step - 1)  # K >= 1: sampler_logps, the behaviour's
-        episode += args.rollout_batch_size
-        prompts = [rows[i]["prompt"] for i in indices]
-        samples, c_ids, c_mask = episodes.samples, episodes.samples.completion_ids, episodes.samples.model_mask
-        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | episodes.columns
-        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
-        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=episodes.completions,
-                                             columns=columns, completion_ids=completion_ids)
-        scores = scores.to(accelerator.device)  # minus the penalty of a missing EOS (the EOS trick)
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~samples.finished).float()
-        return dict(samples=samples, scores=scores, per_source=per_source, prompts=prompts, episodes=episodes,
-                    texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True))
+    stream = None  # vLLM, multi-turn episodes, rollouts drawn ahead (K >= 1): common/rollouts.py
+    if sampler or tools or args.max_staleness:
+        stream = RolloutStream(
+            accelerator, rows, prompt_ids, tools, prompts_iter, resumed, batch_size=args.rollout_batch_size,
+            seed=args.seed, max_staleness=args.max_staleness, gather=args.model.ds3_gather_for_generation,
+            model_path=args.model_name_or_path, dtype=args.model.torch_dtype, model=model, tokenizer=tokenizer,
+            sampler=sampler, generate=generate, max_prompt_length=args.max_prompt_length,
+            max_calls=e.max_tool_calling_iterations, logps=functools.partial(rollout_logps, **logps_options),
+            **sampling)
 
     for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
-        # ---- ROLLOUT and SCORE: rloo_k completions per prompt, from the current policy; its logprobs
-        # and the reference's ----
-        stream.publish(model, step - 1)  # the weights the next rollouts are drawn from
-        batch = draw_batch()
-        samples, scores = batch["samples"], batch["scores"]
-        c_ids, c_mask, finished = samples.completion_ids, samples.model_mask, samples.finished  # the model's tokens
-        sampler_logps = (torch.zeros(c_ids.shape, device=c_ids.device) if samples.sampler_logps is None
-                         else samples.sampler_logps)  # vLLM's; K >= 1: the behaviour policy's
-        # the same prompt width on every rank, so that the rollout can be gathered
+        # ---- ROLLOUT: rloo_k completions per prompt from the current policy ----
+        if stream is None:  # one turn with HF generate; a seed per completion from its place in the run
+            indices = next(prompts_iter)
+            seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
+            with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
+                samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
+            texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
+                           else text for i, text in zip(indices, texts)]
+            c_mask, columns = samples.completion_mask, {}
+        else:  # the episode of each (tool results: context), vLLM's samples, or drawn ahead by pi_b (K >= 1)
+            stream.publish(model, step - 1)  # the weights the next rollouts are drawn from
+            indices, episodes = stream.next_batch(step - 1)  # K >= 1: sampler_logps, the behaviour policy's
+            samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
+            c_mask = samples.model_mask  # the model's tokens (multi-turn: not the tool results)
+            texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+        episode += args.rollout_batch_size
+        c_ids, finished = samples.completion_ids, samples.finished
+
+        # ---- SCORE: the scores (NaN: no source scored it), minus the penalty of a missing EOS (the EOS trick) ----
+        prompts = [rows[i]["prompt"] for i in indices]
+        columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
+        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
+                                             columns=columns,
+                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+        scores = scores.to(accelerator.device)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~finished).float()
+
+        # ---- ADVANTAGES: score minus the KL penalty to the reference, leave-one-out baseline, over the global
+        # batch (a prompt's k samples may sit on different ranks); one prompt width on every rank, to gather ----
         p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id,
                                                  pad_first=True)
         p_mask = accelerator.pad_across_processes(samples.prompt_mask, dim=1, pad_index=0, pad_first=True)
         # multi-turn: tool results are attended to, not trained
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, samples.completion_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
-        old_logps = no_grad_logps(model, input_ids, attention_mask, prompt_width) * mask
+        old_logps = rollout_logps(model, input_ids, attention_mask, prompt_width, **logps_options) * mask
         with reference(accelerator, model, ref_model) as ref:
-            ref_logps = no_grad_logps(ref, input_ids, attention_mask, prompt_width) * mask
-
-        # ---- REWARDS and ADVANTAGES: score minus the KL penalty, leave-one-out baseline, over
-        # the global batch (a prompt's k samples may sit on different ranks) ----
+            ref_logps = rollout_logps(ref, input_ids, attention_mask, prompt_width, **logps_options) * mask
         all_scores, kl = accelerator.gather(scores), accelerator.gather(old_logps - ref_logps)
         # unscorable completions (score NaN) stay out of the baselines, the whitening and the loss
         scored = ~all_scores.isnan()
@@ -482,25 +396,21 @@ def main(args: Args):
             advantages = rloo_advantages(rlhf_reward, args.rloo_k)
             if args.normalize_advantages:
                 advantages = whiten(advantages, scored.float())
-        # the whole rollout on every rank: micro-batches are drawn from one global shuffle, so the
-        # update does not depend on how many processes share it
-        input_ids, attention_mask, old_logps, sampler_logps = (accelerator.gather(t) for t in (
-            input_ids, attention_mask, old_logps, sampler_logps))
-        # sampler-mismatch correction, once per rollout (old_logps stay fixed): vLLM's pi differs slightly
-        # from the trainer's
-        is_weights, is_stats = torch.ones_like(old_logps), {}
-        if sampler is not None and args.vllm_importance_sampling_cap:
-            is_weights, is_stats = importance_weights(old_logps, sampler_logps, sampled,
-                                                      mode=args.vllm_importance_sampling_mode,
-                                                      low=args.vllm_importance_sampling_clip_min,
-                                                      high=args.vllm_importance_sampling_cap)
-        if args.max_staleness:  # the clipped ratio is to pi_old (the policy now); the staleness pi_old /
-            # pi_behaviour weights each token, truncated (decoupled PPO, module docstring)
+        # the whole rollout on every rank ([B, P + T] and [B, T]): micro-batches are drawn from one global shuffle,
+        # so the update does not depend on how many processes share it
+        input_ids, attention_mask, old_logps = (accelerator.gather(t) for t in (input_ids, attention_mask, old_logps))
+        is_weights, is_stats = torch.ones_like(old_logps), {}  # the loss's token weights (1: no correction)
+        if samples.sampler_logps is not None:  # vLLM's; K >= 1: the behaviour policy's (pi_b)
+            sampler_logps = accelerator.gather(samples.sampler_logps)
+        if sampler is not None and args.correction.vllm_importance_sampling_cap:  # vLLM's pi differs from ours
+            o = args.correction  # sampler-mismatch correction, once per rollout (old_logps fixed)
+            is_weights, is_stats = importance_weights(
+                old_logps, sampler_logps, sampled, mode=o.vllm_importance_sampling_mode,
+                low=o.vllm_importance_sampling_clip_min, high=o.vllm_importance_sampling_cap)
+        if args.max_staleness:  # decoupled PPO: clipped to pi_old, each token weighted by pi_old / pi_b, truncated
             stale = torch.exp(old_logps - sampler_logps) * sampled
             is_stats["async/importance_ratio"] = stale.sum() / sampled.sum().clamp(min=1)
             is_weights = stale.clamp(max=args.async_importance_sampling_cap)
-        r = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=prompt_width, mask=all_mask,
-                    old_logps=old_logps, advantages=advantages, is_weights=is_weights)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
         stats = defaultdict(float)  # name -> sum over micro-batches
@@ -509,16 +419,14 @@ def main(args: Args):
             order = torch.randperm(args.rollout_batch_size, generator=shuffler).to(accelerator.device)
             for start in range(0, args.rollout_batch_size, mini_size * args.world_size):
                 for micro in range(args.gradient_accumulation_steps):  # this rank's share of each micro-batch
-                    first = start + (micro * args.world_size + accelerator.process_index) * per_device
+                    first = start + (micro * args.world_size + rank) * per_device
                     idx = order[first:first + per_device]
+                    m, old = all_mask[idx], old_logps[idx]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, r.input_ids[idx], r.attention_mask[idx],
-                                                          r.prompt_width, args.temperature, entropy=True, **truncation)
-                        loss, ratio, clipped = rloo_loss(logps, r.old_logps[idx], r.advantages[idx], r.mask[idx],
-                                                         cliprange=args.cliprange, token_weights=r.is_weights[idx],
-                                                         loss_type=args.loss_type,
-                                                         sapo_temperature_pos=args.sapo_temperature_pos,
-                                                         sapo_temperature_neg=args.sapo_temperature_neg)
+                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
+                                                          args.temperature, entropy=True, **truncation)
+                        loss, ratio, clipped = rloo_loss(logps, old, advantages[idx], m, token_weights=is_weights[idx],
+                                                         **loss_options)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                             accelerator.backward(loss)
                         if accelerator.sync_gradients:
@@ -528,8 +436,8 @@ def main(args: Args):
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
-                        m, tokens = r.mask[idx], r.mask[idx].sum().clamp(min=1)
-                        log_ratio = (logps.detach() - r.old_logps[idx]) * m
+                        tokens = m.sum().clamp(min=1)
+                        log_ratio = (logps.detach() - old) * m
                         ratio = ratio.detach() * m
                         stats["loss/policy_avg"] += loss.detach()
                         stats["policy/approxkl_avg"] += 0.5 * (log_ratio ** 2).sum() / tokens
@@ -556,25 +464,27 @@ def main(args: Args):
                     "grad_norm": float("nan" if grad_norm is None else grad_norm),
                     "lr": scheduler.get_last_lr()[0], "episode": episode,
                     "eps": (episode - start_episode) / (time.time() - start_time)}
-        for name, values in batch["per_source"].items():
+        for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
         if tools:  # TRL's tool metrics, and the episodes' turns
-            e = batch["episodes"]
-            metrics |= episode_metrics(accelerator, e.samples.finished, e.turns, e.calls, e.failures)
-        metrics |= {k if "/" in k else f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in
-                    is_stats.items()} | stream.metrics()  # TRL's names; vllm/push_seconds, async/*
+            metrics |= episode_metrics(accelerator, finished, episodes.turns, episodes.calls, episodes.failures)
+        if stream:  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
+            metrics |= stream.metrics()
+        if is_stats:  # TRL's names (the whole rollout is on every rank); K >= 1: async/importance_ratio
+            metrics |= {k if "/" in k else f"sampling/importance_sampling_ratio/{k}": v.item()
+                        for k, v in is_stats.items()}
         if step % args.eval_steps == 0 or step == 1:
-            table = [{"prompt": p, "completion": t, "score": score}
-                     for p, t, score in zip(batch["prompts"], batch["texts"], scores.tolist())]
+            table = [{"prompt": p, "completion": text, "score": score}
+                     for p, text, score in zip(prompts, texts, scores.tolist())]
             tracker.log_samples(table[:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, lambda: {"episode": episode, "shuffler": shuffler.get_state(),
-                                                **stream.state()})
+                                                **(stream.state() if stream else {})})
 
     # ---- SAVE ----
-    stream.close()
-    os.makedirs(args.output_dir, exist_ok=True)
+    if stream:
+        stream.close()
     save_model(accelerator, model, tokenizer, args.output_dir)
     accelerator.print(f"saved model and tokenizer to {args.output_dir}")
     tracker.close()

@@ -17,21 +17,20 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
-from common.checkpoint import Checkpointer, save_model
+from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (check_columns, encode_completion, encode_prompt, is_conversational, load_split,
                          without_nulls)
 from common.generation import decodes_here, generate, pad, token_logprobs, unwrapped_for_generation
-from common.models import adapt, hint_learning_rate, load_policy, load_tokenizer
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, lr_scheduler, setup,
-                            stop_on_signal)
-from common.tracking import Tracker
+from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer
+from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+                            setup, stop_on_signal)
+from common.tracking import Tracker, TrackingArgs
 
 
 @dataclass
@@ -76,62 +75,17 @@ class Args:
     seed: int = 1
     """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
 
-    # checkpoints and stopping (common/checkpoint.py)
+    # output, evaluation and samples
     output_dir: str = "output/sft"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
-    save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
-    save_total_limit: int = 2
-    """checkpoints kept (the newest)"""
-    resume_from_checkpoint: str | None = None
-    """continue a run from a checkpoint directory, or `latest` (the newest in <output_dir>/checkpoints)"""
-    overwrite_output_dir: bool = False
-    """start over in an output_dir with a finished model or another run's checkpoints (replaced when this run ends)"""
-    skip_nonfinite_steps: bool = False
-    """drop an update whose loss or gradient is not finite and go on (default: save a checkpoint and stop)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others in a collective (one failed or hangs) before the run stops"""
-
-    # memory, precision and LoRA
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in (auto: the checkpoint's)"""
-    bf16: bool = False
-    """bf16 mixed precision (as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass instead of storing them (less memory, ~30% slower)"""
-    use_peft: bool = False
-    """train LoRA adapters instead of all weights (needs peft); the reference is the base model with adapters off"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scale numerator (the update is scaled by lora_alpha / lora_r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    lora_target_modules: list[str] | None = None
-    """modules that get adapters (default: peft's choice for the architecture; all-linear: every linear layer)"""
-
-    # tracking, evaluation and samples (common/tracking.py)
-    run_name: str | None = None
-    """name of the run (default: <script>__<seed>__<unix time>)"""
-    logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
     eval_steps: int = 250
     """evaluate every this many optimizer steps (and at the end)"""
     per_device_eval_batch_size: int = 64
     """examples per eval batch per process"""
     num_sample_generations: int = 4
     """sample completions printed at each evaluation"""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3 / FSDP2: gather the full weights on every rank for the sample table, which rank 0 decodes (off: every
-    rank decodes it sharded, in step; slower, for a model too large to gather)"""
     max_new_tokens: int = 48
     """token budget of generated samples"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "minimal-post-training"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
 
     # filled in at runtime
     world_size: int = 0
@@ -140,6 +94,11 @@ class Args:
     """examples per optimizer step = per_device_train_batch_size x gradient_accumulation_steps x world_size"""
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
+
+    # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
+    model: ModelArgs = field(default_factory=ModelArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +185,20 @@ def collate(examples, pad_id: int):
     return input_ids, attention_mask, loss_mask
 
 
+def micro_batches(examples, args, rank: int, pad_id: int):
+    """Endless shuffled micro-batches of process `rank`'s share of each global batch."""
+    rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
+    per_step = args.per_device_train_batch_size * args.world_size  # one micro-batch, all ranks
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for start in range(0, len(order) - args.total_batch_size + 1, args.total_batch_size):
+            batch = order[start:start + args.total_batch_size]
+            for m in range(args.gradient_accumulation_steps):
+                chunk = batch[m * per_step:(m + 1) * per_step]
+                yield collate([examples[i] for i in chunk[rank::args.world_size]], pad_id)
+
+
 @torch.no_grad()
 def evaluate(model, eval_examples, args, tokenizer, accelerator):
     """Mean completion-token NLL over the eval examples (all processes)."""
@@ -252,8 +225,8 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
     # the prompt: as given; a conversation up to its last message; a text's first third
     prompts = [r["prompt"] if "prompt" in r else r["messages"][:-1] if "messages" in r
                else r["text"][:len(r["text"]) // 3] for r in rows]
-    with unwrapped_for_generation(accelerator, model, args.ds3_gather_for_generation) as unwrapped:  # all ranks
-        if not decodes_here(accelerator, args.ds3_gather_for_generation):
+    with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as unwrapped:  # all ranks
+        if not decodes_here(accelerator, args.model.ds3_gather_for_generation):
             return
         prompt_ids = [encode_prompt(tokenizer, p, row_tools(r)) for p, r in zip(prompts, rows)]
         completion_ids = generate(unwrapped, tokenizer, prompt_ids, args.max_new_tokens, temperature=0.0).completion_ids
@@ -264,13 +237,13 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
 
 
 def main(args: Args):
-    check_positive(vars(args))  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
-                        bf16=args.bf16, ddp_timeout=args.ddp_timeout)
+                        bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size = accelerator.num_processes
-    args.run_name = args.run_name or f"sft__{args.seed}__{int(time.time())}"
+    args.tracking.run_name = args.tracking.run_name or f"sft__{args.seed}__{int(time.time())}"
     args.total_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
     # ---- model and data ----
@@ -300,46 +273,32 @@ def main(args: Args):
             f"(per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps} x {args.world_size} processes); lower them or pass --max_steps")
 
-    lora = (dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                 target_modules=args.lora_target_modules) if args.use_peft else None)
-    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.torch_dtype),
-                  gradient_checkpointing=args.gradient_checkpointing, lora=lora)
+    model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
+                  gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora())
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.run_name,
-                                resume_from=args.resume_from_checkpoint, save_steps=args.save_steps,
-                                save_total_limit=args.save_total_limit, skip_nonfinite_steps=args.skip_nonfinite_steps)
+    ckpt, track = args.checkpoint, args.tracking
+    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
+                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
+                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.run_name = resumed.get("run_name", args.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=args.run_name, config=vars(args),
-                      logging_steps=args.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=args.wandb_project_name if args.track else None, wandb_entity=args.wandb_entity)
+    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
+    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
+                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
+                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
     accelerator.print(f"{len(train_examples)} training examples, {args.num_steps} steps of "
                       f"{args.total_batch_size} examples, {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    def micro_batches():
-        """Endless shuffled micro-batches of this process's share of each global batch."""
-        rng = random.Random(args.seed)  # same order on every rank; each rank takes its own slice
-        per_rank, rank = args.per_device_train_batch_size, accelerator.process_index
-        while True:
-            order = list(range(len(train_examples)))
-            rng.shuffle(order)
-            for start in range(0, len(order) - args.total_batch_size + 1, args.total_batch_size):
-                batch = order[start:start + args.total_batch_size]
-                for m in range(args.gradient_accumulation_steps):
-                    chunk = batch[m * per_rank * args.world_size:(m + 1) * per_rank * args.world_size]
-                    yield collate([train_examples[i] for i in chunk[rank::args.world_size]], tokenizer.pad_token_id)
-
-    batches = micro_batches()
+    batches = micro_batches(train_examples, args, accelerator.process_index, tokenizer.pad_token_id)
     for _ in range(resumed.get("step", 0) * args.gradient_accumulation_steps):  # the data position
         next(batches)
     start_time = time.time()
     for step in range(resumed.get("step", 0) + 1, args.num_steps + 1):
-        # ---- TRAIN: one optimizer step over gradient_accumulation_steps micro-batches ----
+        # ---- UPDATE: one optimizer step over gradient_accumulation_steps micro-batches ----
         micro = [tuple(t.to(accelerator.device) for t in next(batches))
                  for _ in range(args.gradient_accumulation_steps)]
         local_tokens = sum(loss_mask[:, 1:].sum() for _, _, loss_mask in micro)

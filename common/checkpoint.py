@@ -24,7 +24,8 @@ from common.runtime import UserError
 class CheckpointArgs:
     """checkpoints and stopping"""
     save_steps: int = 0
-    """save a resumable checkpoint every this many optimizer steps (0: only on SIGTERM / Ctrl-C or non-finite values)"""
+    """save a resumable checkpoint every this many steps (rloo, ppo: rollouts; 0: only on SIGTERM / Ctrl-C or a
+    non-finite value)"""
     save_total_limit: int = 2
     """checkpoints kept (the newest)"""
     resume_from_checkpoint: str | None = None

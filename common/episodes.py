@@ -12,9 +12,10 @@ import inspect
 import json
 import re
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+import tyro
 from transformers.utils import get_json_schema
 
 from common.data import encode_prompt, is_conversational, without_nulls
@@ -26,6 +27,20 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)  # C
 # Qwen3-Coder / Qwen3.5 write a call's body as <function=name> then <parameter=argument>value</parameter> lines
 XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --tools, not --episodes.tools
+@dataclass
+class EpisodeArgs:
+    """multi-turn episodes with tools and environments (common/episodes.py)"""
+    tools: list[str] = field(default_factory=list)
+    """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
+    environment_factory: str | None = None
+    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
+    max_tool_calling_iterations: int | None = None
+    """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
+    tool_timeout: float = 60.0
+    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
 
 
 @dataclass

@@ -36,9 +36,10 @@ from common.runtime import UserError
 from common.vllm import full_parameters, sample_with
 
 
-def check_staleness(k: int, accelerator, *, use_vllm: bool, vllm_mode: str, use_peft: bool,
-                    environment_factory: str | None):
-    """Before anything loads: --max_staleness K and what it can run with."""
+def check_staleness(k: int, accelerator, args):
+    """Before anything loads: --max_staleness K and what it can run with (args: the script's, its groups)."""
+    use_vllm, vllm_mode = args.vllm.use_vllm, args.vllm.vllm_mode
+    use_peft, environment_factory = args.model.use_peft, args.episodes.environment_factory
     if k < 0:
         raise UserError(f"--max_staleness must be >= 0 (got {k})")
     if k and use_vllm and vllm_mode == "colocate":

@@ -21,7 +21,7 @@ class TrackingArgs:
     run_name: str | None = None
     """name of the run (default: <script>__<seed>__<unix time>)"""
     logging_steps: int = 10
-    """print metrics every this many optimizer steps (all steps go to the JSONL file)"""
+    """print metrics every this many steps (rloo, ppo: rollouts; all steps go to the JSONL file)"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "minimal-post-training"

@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny task built once per session, scripts run as subprocesses, offline."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -96,6 +97,17 @@ def vllm_options(**overrides) -> dict:
                    enable_sleep_mode=False, sleep_level=2, server_host="127.0.0.1", server_port=8000,
                    server_timeout=240.0,
                    group_host=None, group_port=51216, tensor_parallel_size=1, max_num_batched_tokens=4096), **overrides}
+
+
+def script_args(cls, **flags):
+    """A script's Args from flags by name, as on its command line: those of its groups (ModelArgs, VLLMArgs, ...,
+    which tyro shows without a prefix) go into their group."""
+    groups = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            group = f.default_factory
+            groups[f.name] = group(**{k: flags.pop(k) for k in list(flags) if k in group.__dataclass_fields__})
+    return cls(**flags, **groups)
 
 
 def run_script(*argv, launcher=None, check=True, timeout=600, env=None):

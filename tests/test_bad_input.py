@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from algos import dpo, kto, reward, sft
 from common.runtime import UserError
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_script, script_args
 
 
 def write_jsonl(path, rows):
@@ -41,7 +41,7 @@ def test_cli_error_is_one_line_exit_2_and_leaves_saved_model_untouched(tmp_path,
 
 def sft_args(tmp_path, **kw):
     defaults = dict(max_steps=1, per_device_train_batch_size=2, dataset_test_split="", output_dir=str(tmp_path / "out"))
-    return sft.Args(**{**defaults, **kw})
+    return script_args(sft.Args, **{**defaults, **kw})
 
 
 def test_bad_inputs_to_sft(tmp_path, tiny_model):
@@ -67,7 +67,7 @@ def test_bad_inputs_to_sft(tmp_path, tiny_model):
     ([{"prompt": "a", "chosen": " b", "rejected": " b"}] * 3, "no training pair left"),
 ])
 def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
-    args = reward.Args(model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
+    args = script_args(reward.Args, model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
                        dataset_test_split="", max_steps=1, output_dir=str(tmp_path / "rm"))
     with pytest.raises(UserError, match=message):
         reward.main(args)
@@ -75,7 +75,7 @@ def test_bad_inputs_to_reward(tmp_path, sft_model, rows, message):
 
 def test_reward_without_an_sft_model_says_so(tmp_path):
     with pytest.raises(UserError, match="could not load the reward model's tokenizer 'nowhere/sft'"):
-        reward.main(reward.Args(model_name_or_path="nowhere/sft", output_dir=str(tmp_path / "rm")))
+        reward.main(script_args(reward.Args, model_name_or_path="nowhere/sft", output_dir=str(tmp_path / "rm")))
 
 
 @pytest.mark.parametrize("rows,extra,message", [
@@ -91,7 +91,7 @@ def test_reward_without_an_sft_model_says_so(tmp_path):
      "robust needs 0 <= label_smoothing < 0.5"),
 ])
 def test_bad_inputs_to_dpo(tmp_path, sft_model, rows, extra, message):
-    args = dpo.Args(model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
+    args = script_args(dpo.Args, model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
                     dataset_test_split="", max_steps=1, max_length=32, output_dir=str(tmp_path / "dpo"), **extra)
     with pytest.raises(UserError, match=message):
         dpo.main(args)
@@ -104,7 +104,7 @@ def test_bad_inputs_to_dpo(tmp_path, sft_model, rows, extra, message):
     ([{"prompt": "a", "completion": " b", "label": True}], {"per_device_train_batch_size": 1}, "must be >= 2"),
 ])
 def test_bad_inputs_to_kto(tmp_path, sft_model, rows, extra, message):
-    args = kto.Args(model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
+    args = script_args(kto.Args, model_name_or_path=sft_model, dataset_name=write_jsonl(tmp_path / "d.jsonl", rows),
                     dataset_test_split="", max_steps=1, output_dir=str(tmp_path / "kto"), **extra)
     with pytest.raises(UserError, match=message):
         kto.main(args)
@@ -117,12 +117,12 @@ def test_scale_out_options_fail_early_with_one_line(tmp_path, sft_model, monkeyp
                   max_steps=1, per_device_train_batch_size=4, num_generations=2, output_dir=str(tmp_path / "out"))
     monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
     with pytest.raises(UserError, match=r"--use_vllm needs vLLM: pip install 'minimal-post-training\[vllm\]'"):
-        grpo.main(grpo.Args(use_vllm=True, **common))
+        grpo.main(script_args(grpo.Args, use_vllm=True, **common))
     monkeypatch.setitem(__import__("sys").modules, "peft", None)
     with pytest.raises(UserError, match=r"--use_peft needs peft: pip install 'minimal-post-training\[peft\]'"):
-        grpo.main(grpo.Args(use_peft=True, **common))
+        grpo.main(script_args(grpo.Args, use_peft=True, **common))
     with pytest.raises(UserError, match="--sync_ref_model mixes the policy into a separate reference"):
-        dpo.main(dpo.Args(model_name_or_path=sft_model, use_peft=True, sync_ref_model=True))
+        dpo.main(script_args(dpo.Args, model_name_or_path=sft_model, use_peft=True, sync_ref_model=True))
 
 
 def test_a_server_that_never_comes_up_is_one_clear_error():
@@ -306,7 +306,7 @@ def test_bad_input_is_one_user_error(tmp_path, tiny_model, bad_models, script, c
     fill = lambda v: bad_models.get(v, v) if isinstance(v, str) else v  # noqa: E731 "<two_labels>" -> its path
     kw = {k: [fill(x) for x in v] if isinstance(v, list) else fill(v) for k, v in kw.items()}
     with pytest.raises(UserError, match=message):
-        module.main(module.Args(**kw))
+        module.main(script_args(module.Args, **kw))
 
 
 def test_progress_bars_on_a_terminal_only_and_an_error_after_one_starts_on_its_own_line(tmp_path, tiny_model):

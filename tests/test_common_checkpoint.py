@@ -30,7 +30,7 @@ from algos import sft
 from common import checkpoint
 from common.checkpoint import Checkpointer
 from common.runtime import UserError
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_script, script_args
 from tests.test_multiprocess import CASES, model_flags
 
 # the JSONL fields that read the wall clock; the rest repeats for the same seed and command on a CPU
@@ -112,8 +112,8 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, sft_model, rm
 
 
 def sft_args(tmp_path, **kw):
-    return sft.Args(**{**dict(max_steps=4, per_device_train_batch_size=2, dataset_test_split="",
-                              logging_steps=1, run_name="r", output_dir=str(tmp_path / "out")), **kw})
+    return script_args(sft.Args, **{**dict(max_steps=4, per_device_train_batch_size=2, dataset_test_split="",
+                                           logging_steps=1, run_name="r", output_dir=str(tmp_path / "out")), **kw})
 
 
 def test_a_resumed_run_logs_on_under_its_own_name(tmp_path):

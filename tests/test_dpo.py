@@ -48,8 +48,8 @@ EXPECTED = {
 @pytest.mark.parametrize("loss_type", sorted(EXPECTED))
 def test_loss_types_match_hand_derived_formulas(loss_type):
     t = torch.tensor
-    losses, reward_c, reward_r = dpo.dpo_loss(t(POLICY_C), t(POLICY_R), t(REF_C), t(REF_R), BETA, loss_type,
-                                              label_smoothing=EPS, bco_delta=DELTA)
+    losses, reward_c, reward_r = dpo.dpo_loss(t(POLICY_C), t(POLICY_R), t(REF_C), t(REF_R), beta=BETA,
+                                              loss_type=loss_type, label_smoothing=EPS, bco_delta=DELTA)
     ratios = [(pc - rc, pr - rr) for pc, pr, rc, rr in zip(POLICY_C, POLICY_R, REF_C, REF_R)]
     assert losses.tolist() == pytest.approx([EXPECTED[loss_type](a, b) for a, b in ratios], rel=1e-5)
     assert reward_c.tolist() == pytest.approx([BETA * a for a, _ in ratios])
@@ -67,7 +67,7 @@ def test_simpo_uses_no_reference_and_a_target_margin():
 def test_sigmoid_hand_worked_example():
     # a = 1, b = -1, beta = 0.5: beta * h = 1, loss = log(1 + e^-1) = 0.31326
     losses, _, _ = dpo.dpo_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0]),
-                                0.5)
+                                beta=0.5)
     assert losses.item() == pytest.approx(0.313262, abs=1e-6)
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from algos import gkd
+from common.data import encode_completion
 from common.models import load_policy
+from common.tracking import TrackingArgs
 from tests.conftest import run_script
 from tests.test_bad_input import CHAT_TEMPLATE, PROMPT, write_jsonl
 from tests.test_per_token_passes import COMPLETIONS, PROMPTS, own_logits, perturbed
@@ -216,6 +218,24 @@ def test_on_policy_draw_is_per_prompt_seeded_and_shares_lmbda():
     random.random()  # the draw uses its own stream, not the global one
 
 
+def test_a_micro_batch_pads_prompts_left_completions_right_and_cuts_only_the_datasets(tokenizer):
+    """pad_micro_batch: a place the student sampled keeps its completion whole; the others get the dataset's, cut to
+    max_new_tokens (4); prompts left-padded, completions right-padded; finished: the completion ends in EOS."""
+    rows = [{"prompt": "a", "completion": " one two three four five six"}, {"prompt": "b", "completion": " x"}]
+    long, short = (encode_completion(tokenizer, r["prompt"], r["completion"]) for r in rows)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert len(long) > 5 and len(short) == 3 and short[-1] == eos != pad
+    student = [9, 10, 12, 13, 14, 15]  # no EOS, longer than 4: kept whole
+    batch = [(0, 10), (1, 12), (1, 11)]  # (row, place in the run); place 11 was sampled
+    (p_ids, p_mask, c_ids, c_mask), finished = gkd.pad_micro_batch(tokenizer, batch, [[5, 6, 7], [8]], {11: student},
+                                                                   rows, 4)
+    assert p_ids.tolist() == [[5, 6, 7], [pad, pad, 8], [pad, pad, 8]]
+    assert p_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 1]]
+    assert c_ids.tolist() == [long[:4] + [pad] * 2, short + [pad] * 3, student]
+    assert c_mask.tolist() == [[1] * 4 + [0] * 2, [1] * 3 + [0] * 3, [1] * 6]
+    assert finished.tolist() == [False, True, False]
+
+
 def test_teacher_equal_to_the_student_gives_loss_zero_and_a_loadable_model(tmp_path, tiny_model):
     run_script("algos/gkd.py", "--model_name_or_path", tiny_model, "--teacher_model_name_or_path", tiny_model,
                "--max_steps", "1", "--per_device_train_batch_size", "4", "--max_new_tokens", "8", "--lmbda", "0.5",
@@ -289,7 +309,7 @@ def test_token_reward_runs_on_the_students_samples(tmp_path, tiny_model, tokeniz
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT}] * 4)
     gkd.main(gkd.Args(model_name_or_path=tiny_model, teacher_model_name_or_path=teacher, dataset_name=data,
                       loss_type="token_reward", max_new_tokens=6, max_steps=1, per_device_train_batch_size=4,
-                      learning_rate=1e-2, logging_steps=1, output_dir=str(tmp_path / "out")))
+                      learning_rate=1e-2, tracking=TrackingArgs(logging_steps=1), output_dir=str(tmp_path / "out")))
     [row] = read_log(str(tmp_path / "out"))
     assert row["on_policy_ratio"] == 1 and math.isfinite(row["loss"]) and row["objective/kl"] != 0
     assert row["grad_norm"] > 0
@@ -338,7 +358,8 @@ def test_on_and_off_policy_prompts_follow_the_global_draw(tmp_path, tiny_model, 
     monkeypatch.setattr(gkd, "completion_logits", lambda m, *a: seen.append(a) or forward(m, *a))
     gkd.main(gkd.Args(model_name_or_path=tiny_model, teacher_model_name_or_path=tiny_model, lmbda=lmbda, seed=seed,
                       dataset_name=write_jsonl(tmp_path / "d.jsonl", rows), max_steps=3, max_new_tokens=6,
-                      per_device_train_batch_size=4, logging_steps=1, output_dir=str(tmp_path / "out")))
+                      per_device_train_batch_size=4, tracking=TrackingArgs(logging_steps=1),
+                      output_dir=str(tmp_path / "out")))
     assert len(seen) == 6 and len(sampled) == 3  # the student's and the teacher's forward; one generate a step
     for k, ((p_ids, p_mask, c_ids, c_mask), (chosen, samples)) in enumerate(zip(seen[::2], sampled)):
         got = [(p[pm.bool()].tolist(), c[cm.bool()].tolist()) for p, pm, c, cm in zip(p_ids, p_mask, c_ids, c_mask)]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from algos import grpo
 from common.runtime import UserError
-from tests.conftest import run_script
+from tests.conftest import run_script, script_args
 from tests.test_sft import read_log
 
 
@@ -79,23 +79,25 @@ def aggregate(losses, loss_type):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_loss_types_against_the_formulas(loss_type, level):
     t = torch.tensor
-    loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), loss_type, EPS_LOW,
-                             EPS_HIGH, BETA, level, MAX_LEN, NUM_ITEMS)
+    loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), loss_type=loss_type,
+                             epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA, importance_sampling_level=level,
+                             max_completion_length=MAX_LEN, num_items_in_batch=NUM_ITEMS)
     assert loss.item() == pytest.approx(aggregate(token_losses(level == "sequence"), loss_type), rel=1e-5)
 
 
 def test_importance_weights_scale_the_clipped_term_but_not_the_kl():
     t = torch.tensor
     weights = [[0.5, 2.0, 1.0], [1.5, 1.0, 0.25]]
-    loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), "dapo", EPS_LOW,
-                             EPS_HIGH, BETA, "token", MAX_LEN, NUM_ITEMS, t(weights))
+    loss, _ = grpo.grpo_loss(t(LOGPS), t(OLD), t(REF), t(ADV), t(MASK, dtype=torch.float), loss_type="dapo",
+                             epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA, max_completion_length=MAX_LEN,
+                             num_items_in_batch=NUM_ITEMS, token_weights=t(weights))
     assert loss.item() == pytest.approx(aggregate(token_losses(weights=weights), "dapo"), rel=1e-5)
 
 
 def test_with_one_iteration_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
     logps = torch.tensor(LOGPS, requires_grad=True)
     mask = torch.tensor(MASK, dtype=torch.float)
-    loss, ratio = grpo.grpo_loss(logps, logps.detach(), None, torch.tensor(ADV), mask, "bnpo")
+    loss, ratio = grpo.grpo_loss(logps, logps.detach(), None, torch.tensor(ADV), mask, loss_type="bnpo")
     loss.backward()
     assert torch.all(ratio == 1)
     # d/dlogp of -A * exp(logp - sg(logp)) at ratio 1 is -A, divided by the 5 tokens
@@ -106,8 +108,9 @@ def test_with_one_iteration_the_ratio_is_one_and_the_gradient_is_the_policy_grad
 def test_batch_not_divisible_by_num_generations_fails_before_loading(tmp_path):
     with pytest.raises(UserError, match="= 6 completions per generation batch, which must be a multiple of "
                                         "num_generations 4"):
-        grpo.main(grpo.Args(model_name_or_path=str(tmp_path / "nothing-here"), per_device_train_batch_size=3,
-                            gradient_accumulation_steps=2, num_generations=4, output_dir=str(tmp_path / "out")))
+        grpo.main(script_args(grpo.Args, model_name_or_path=str(tmp_path / "nothing-here"),
+                              per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=4,
+                              output_dir=str(tmp_path / "out")))
 
 
 def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
@@ -116,7 +119,7 @@ def test_beta_zero_loads_no_reference(tmp_path, sft_model, monkeypatch):
     monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: loaded.append(a[0]) or real(*a, **k))
     for beta in (0.0, 0.1):
         loaded.clear()
-        grpo.main(grpo.Args(model_name_or_path=sft_model, reward_model_paths=[],
+        grpo.main(script_args(grpo.Args, model_name_or_path=sft_model, reward_model_paths=[],
                             reward_funcs=["tests.toy_rewards:zero"], beta=beta, max_steps=1,
                             per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
                             output_dir=str(tmp_path / f"b{beta}")))
@@ -254,7 +257,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds(tmp_pat
     toy_rewards.CALLS.clear()
     common = dict(model_name_or_path=sft_model, reward_model_paths=[], max_steps=3, per_device_train_batch_size=8,
                   num_generations=4, max_completion_length=8, logging_steps=1, dynamic_sampling=True)
-    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:constant_for_odd_prompts"],
+    grpo.main(script_args(grpo.Args, **common, reward_funcs=["tests.toy_rewards:constant_for_odd_prompts"],
                         output_dir=str(tmp_path / "a")))
     log, calls = read_log(str(tmp_path / "a")), list(toy_rewards.CALLS)
     for row in log:
@@ -267,7 +270,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_counts_its_rounds(tmp_pat
     assert not calls and sum(r["dynamic_sampling/rounds"] for r in log) > 3  # some groups were dropped
     assert log[-1]["episode"] == 8 * sum(r["dynamic_sampling/rounds"] for r in log)
     # every group constant: each rollout stops at the cap and trains on constant groups
-    grpo.main(grpo.Args(**common, reward_funcs=["tests.toy_rewards:zero"], max_dynamic_sampling_rounds=3,
+    grpo.main(script_args(grpo.Args, **common, reward_funcs=["tests.toy_rewards:zero"], max_dynamic_sampling_rounds=3,
                         output_dir=str(tmp_path / "b")))
     log = read_log(str(tmp_path / "b"))
     assert [r["dynamic_sampling/rounds"] for r in log] == [3, 3, 3] and log[-1]["episode"] == 3 * 3 * 8
@@ -294,7 +297,7 @@ def test_top_entropy_quantile_reaches_the_loss(tmp_path, sft_model):
     losses = []
     for quantile in (1.0, 0.2):
         out = str(tmp_path / f"q{quantile}")
-        grpo.main(grpo.Args(**common, top_entropy_quantile=quantile, output_dir=out))
+        grpo.main(script_args(grpo.Args, **common, top_entropy_quantile=quantile, output_dir=out))
         losses.append(read_log(out)[0]["loss"])
     assert losses[0] != 0.0 and losses[1] != pytest.approx(losses[0], rel=1e-3), losses
 
@@ -308,7 +311,7 @@ def test_default_first_step_gradient_is_policy_gradient_plus_kl_of_scored_rows(t
     only and divided by their count. Each term is checked: a vanished policy gradient fails, and so does
     an unscored row let back into the KL term (or into the token count)."""
     from tests.first_step import assert_gradient, gradient, grads_of, online_first_step, own_logprobs
-    args = grpo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
+    args = script_args(grpo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
                      reward_funcs=["tests.toy_rewards:short_or_none"],
                      per_device_train_batch_size=16, max_completion_length=8, output_dir=str(tmp_path / "grpo"))
     record, tokenizer, policy, ref, prompts, completions, _ = online_first_step(monkeypatch, grpo, args, tiny_model)

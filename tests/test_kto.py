@@ -21,7 +21,7 @@ def test_kto_loss_hand_derived():
     logps, ref = torch.tensor([-2.0, -5.0, -3.0]), torch.tensor([-3.0, -4.0, -3.5])
     labels = torch.tensor([True, False, False])
     beta, z0, w_d, w_u = 0.5, 0.2, 1.5, 0.8
-    losses, rewards = kto.kto_loss(logps, ref, labels, z0, beta, w_d, w_u)
+    losses, rewards = kto.kto_loss(logps, ref, labels, z0, beta=beta, desirable_weight=w_d, undesirable_weight=w_u)
     # r = log-ratio: 1, -1, 0.5; desirable: w_d (1 - sig(beta (r - z0))); undesirable: w_u (1 - sig(beta (z0 - r)))
     expected = [w_d * (1 - sig(0.5 * 0.8)), w_u * (1 - sig(0.5 * 1.2)), w_u * (1 - sig(0.5 * -0.3))]
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)

@@ -3,6 +3,7 @@ epoch, a pairwise judge, and a learning test."""
 
 import json
 import math
+import random
 import statistics
 
 import pytest
@@ -26,6 +27,20 @@ def test_losses_hand_values():
     assert (reward_c.item(), reward_r.item()) == pytest.approx((0.25, -0.75))
     losses, _, _ = online_dpo.online_dpo_loss(*args, "ipo")
     assert losses.item() == pytest.approx((2 - 1 / (2 * 0.5)) ** 2)
+
+
+def test_each_process_takes_every_world_size_th_prompt_of_the_same_shuffled_global_batch():
+    """8 rows, global batches of 4 on 2 processes: rank r gets positions r, r + 2 of each batch of the seeded
+    shuffle; the third batch starts a new pass, shuffled again by the same generator."""
+    rng, passes = random.Random(3), []
+    for _ in range(2):
+        order = list(range(8))
+        rng.shuffle(order)
+        passes.append(order)
+    for rank in range(2):
+        shares = online_dpo.prompt_batches(8, 4, seed=3, rank=rank, world_size=2)
+        got = [next(shares) for _ in range(3)]
+        assert got == [passes[0][rank:4:2], passes[0][4 + rank::2], passes[1][rank:4:2]], rank
 
 
 def write_prompts(tmp_path, n=32):
