@@ -157,6 +157,7 @@ class Args:
 
     # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
     # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
+
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
@@ -308,9 +309,10 @@ def main(args: Args):
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if args.max_staleness:  # the features' checks, before anything loads
         check_staleness(args.max_staleness, accelerator, args)
+    corrected = None  # the sampler-mismatch correction's options (common/sampler_correction.py)
     if args.vllm.use_vllm:
-        check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
-                         max_staleness=args.max_staleness)
+        corrected = check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
+                                     max_staleness=args.max_staleness)
         vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
                                        use_peft=args.model.use_peft)  # vLLM there, the server up
 
@@ -381,60 +383,53 @@ def main(args: Args):
             logps=lambda policy, ids, mask, width: torch.cat([completion_logps(  # the behaviour policy's (K >= 1)
                 policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))
 
-    # the rollout while between two of its num_iterations passes (else None); a checkpoint taken there
-    # holds it, since the policy that sampled it is gone, and a resumed run finishes its passes first
+    # a rollout between two of its num_iterations passes is checkpointed (its sampling policy is gone)
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
-        if rollout is None:
-            if stream:
-                stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
-            pool = []  # dynamic sampling: the generation batches drawn, gathered from every rank
-            while True:
-                # ---- ROLLOUT: num_generations completions per prompt from the current policy (K = 0) ----
-                if stream is None:  # one turn with HF generate; a seed per completion from its place in the run
-                    indices = next(prompts_iter)
-                    seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
-                    with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
-                        samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds,
-                                           **sampling)
-                    texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
-                    completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
-                                   else text for i, text in zip(indices, texts)]
-                    c_mask, columns, extra = samples.completion_mask, {}, {}
-                else:  # the episode of each (tool results: context), vLLM's samples, or drawn ahead by pi_b
-                    indices, episodes = stream.next_batch(step // args.num_iterations)
-                    samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
-                    c_mask, extra = samples.model_mask, episodes.batch() if tools else {}
-                episode += args.generation_batch_size
-                c_ids = samples.completion_ids
+        if stream and rollout is None:
+            stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
+        pool = []  # dynamic sampling: the generation batches drawn so far, gathered from every rank
+        while rollout is None:
+            # ---- ROLLOUT: num_generations completions per prompt from the current policy ----
+            if stream is None:  # one turn with HF generate, a seed per completion from its place in the run
+                indices = next(prompts_iter)
+                seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
+                with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
+                    samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
+                texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+                completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
+                               else text for i, text in zip(indices, texts)]
+                c_mask, columns, extra = samples.completion_mask, {}, {}
+            else:  # episodes (tool results: context, not trained), vLLM's samples, or drawn ahead (K >= 1)
+                indices, episodes = stream.next_batch(step // args.num_iterations)
+                samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
+                c_mask, extra = samples.model_mask, episodes.batch() if tools else {}
+            episode += args.generation_batch_size
+            c_ids = samples.completion_ids
 
-                # ---- SCORE: the rewards (NaN: no source scored it), minus the penalties of a missing EOS and of
-                # an overlong completion ----
-                columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
-                rewards, per_source = compute_rewards(
-                    sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,
-                    columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
-                rewards = rewards.to(accelerator.device)
-                if args.missing_eos_penalty is not None:
-                    rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
-                if args.overlong_buffer_length:
-                    rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length,
-                                                         args.overlong_buffer_length, args.overlong_penalty_factor)
-                batch = dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask,
-                             rewards=rewards, finished=samples.finished.long(), sampler_logps=samples.sampler_logps,
-                             per_source=torch.stack(list(per_source.values()), 1), **extra)
-                if not args.dynamic_sampling:
-                    break
-                # DAPO dynamic sampling: draw until generation_batch_size completions (every rank's) belong to groups
-                # whose rewards differ (the others' advantages are all 0), or max_dynamic_sampling_rounds are drawn
+            # ---- SCORE: rewards (NaN: no source scored it) less the missing-EOS and overlong penalties ----
+            columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
+            rewards, per_source = compute_rewards(
+                sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,
+                columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
+            rewards = rewards.to(accelerator.device)
+            if args.missing_eos_penalty is not None:
+                rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
+            if args.overlong_buffer_length:
+                rewards = rewards + overlong_penalty(c_mask.sum(1), args.max_completion_length,
+                                                     args.overlong_buffer_length, args.overlong_penalty_factor)
+            batch = dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask,
+                         rewards=rewards, finished=samples.finished.long(), sampler_logps=samples.sampler_logps,
+                         per_source=torch.stack(list(per_source.values()), 1), **extra)
+            if args.dynamic_sampling:  # DAPO: draw until generation_batch_size completions (every rank's) are of
+                # groups whose rewards differ (the others' advantages are 0), or max_dynamic_sampling_rounds
                 pool.append({k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items()
                              if v is not None})
-                if informative_rows(pool, args.num_generations) >= args.generation_batch_size or \
-                        len(pool) >= args.max_dynamic_sampling_rounds:
-                    batch = {k: v.chunk(args.world_size)[rank] for k, v in informative_first(
-                        pool, args.num_generations, args.generation_batch_size).items()}
-                    break
-            draws = max(len(pool), 1)
+                if informative_rows(pool, args.num_generations) < args.generation_batch_size and \
+                        len(pool) < args.max_dynamic_sampling_rounds:
+                    continue
+                batch = {k: v.chunk(args.world_size)[rank] for k, v in informative_first(
+                    pool, args.num_generations, args.generation_batch_size).items()}
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
             rewards, finished = batch["rewards"], batch["finished"].bool()
             p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
@@ -442,16 +437,16 @@ def main(args: Args):
             input_ids = torch.cat([p_ids, c_ids], 1)  # multi-turn: tool results are attended to, not trained
             attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
-            # ---- ADVANTAGES: relative to the group, over the global batch; unscorable completions
-            # get advantage 0 and stay out of the loss (no gradient, not even the KL term's) ----
+            # ---- ADVANTAGES: relative to the group, over the global batch; an unscorable completion gets 0
+            # and stays out of the loss (no gradient, not even the KL term's) ----
             all_rewards = accelerator.gather(rewards)
             advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
             advantages = advantages[rank * local_size:(rank + 1) * local_size]
             loss_mask = c_mask.float() * ~rewards.isnan()[:, None]
             if args.mask_truncated_completions:
                 loss_mask = loss_mask * finished[:, None]
-            # dapo: normalise by the tokens of the whole global batch; backward() divides by the
-            # accumulation steps and DDP averages over processes, so scale to one micro-batch
+            # dapo: the tokens of the global batch; backward() divides by the accumulation steps and DDP
+            # averages over processes, so scaled to one micro-batch
             tokens = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1)
             num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
             with torch.no_grad():
@@ -469,7 +464,8 @@ def main(args: Args):
                               sampler_logps=batch.get("sampler_logps"), prompts=[rows[i]["prompt"] for i in indices],
                               per_source=dict(zip([name for name, _, _ in sources], batch["per_source"].T)),
                               all_rewards=all_rewards, texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True),
-                              draws=draws, episodes=tools and {k: batch[k] for k in ("turns", "calls", "failures")})
+                              draws=max(len(pool), 1),
+                              episodes=tools and {k: batch[k] for k in ("turns", "calls", "failures")})
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
         r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
@@ -479,12 +475,9 @@ def main(args: Args):
                                                   args.temperature, entropy=True, **truncation)
                 old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                if r.sampler_logps is not None and args.correction.vllm_importance_sampling_cap:  # (never with K >= 1)
-                    is_weights, is_stats = importance_weights(
-                        old, r.sampler_logps[s], r.completion_mask[s],
-                        mode=args.correction.vllm_importance_sampling_mode,
-                        low=args.correction.vllm_importance_sampling_clip_min,
-                        high=args.correction.vllm_importance_sampling_cap)
+                if r.sampler_logps is not None and corrected:  # (never with K >= 1)
+                    is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
+                                                              **corrected)
                     corrections.append(is_stats)
                 if args.max_staleness:  # decoupled PPO: the clip is to pi_old (mu == 1: the policy now), and each
                     stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]  # token weighs pi_old / pi_behaviour

@@ -118,6 +118,7 @@ class Args:
     """optimizer steps of the run (set at runtime)"""
 
     # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
+
     model: ModelArgs = field(default_factory=ModelArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)

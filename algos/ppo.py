@@ -136,6 +136,7 @@ class Args:
     """optimizer steps = max_steps x num_ppo_epochs x num_mini_batches (set at runtime)"""
 
     # shared groups, each defined where it is read: common/{models,vllm,sampler_correction,checkpoint,tracking}.py
+
     model: ModelArgs = field(default_factory=ModelArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)

@@ -98,6 +98,7 @@ class Args:
     """optimizer steps of the run (set at runtime)"""
 
     # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
+
     model: ModelArgs = field(default_factory=ModelArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)

@@ -73,11 +73,11 @@ class Args:
     cliprange: float = 0.2
     """PPO clip range of the ratio (cispo: its weight is capped at 1 + cliprange, with no lower bound)"""
     loss_type: Literal["ppo", "cispo", "sapo"] = "ppo"
-    """the clipped PPO surrogate, CISPO's truncated REINFORCE (MiniMax-M1 2025) or SAPO's soft gate (Gao et al. 2025)"""
+    """the clipped PPO surrogate, CISPO's truncated REINFORCE or SAPO's soft gate (module docstring)"""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature tau_pos for positive advantages"""
     sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
+    """SAPO gate temperature tau_neg for advantages <= 0 (larger: their off-policy tokens fade faster)"""
     num_ppo_epochs: int = 2
     """passes over each rollout batch"""
     num_mini_batches: int = 1
@@ -151,8 +151,7 @@ class Args:
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
 
-    # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
-    # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
+    # shared groups, their flags unprefixed; each defined where read: common/models.py, episodes.py, vllm.py, ...
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
@@ -170,9 +169,8 @@ class Args:
 # ALGO LOGIC: leave-one-out advantages and the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """r_i - mean of the other k - 1 rewards of its group; groups are consecutive runs of k.
-    Unscorable completions (reward NaN) are in no baseline and get 0, as does a completion whose
-    group has no other scored one."""
+    """r_i - mean of the other k - 1 rewards of its group (consecutive runs of k). Unscorable completions (NaN)
+    are in no baseline and get 0, as does a completion whose group has no other scored one."""
     grouped = rewards.view(-1, k)
     scored = ~grouped.isnan()
     n = scored.sum(dim=1, keepdim=True)
@@ -181,10 +179,9 @@ def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def token_level_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float, k: int):
-    """Per-token advantages [N, T]: token rewards -kl_coef * kl_t plus the score at the last trained
-    token (multi-turn: the mask has gaps at tool results, so the last 1, not the count of 1s); a token's
-    return sums the rewards from it on; the baseline is the leave-one-out mean of the other scored
-    samples' whole-sequence returns. Unscorable samples (score NaN) get 0."""
+    """Per-token advantages [N, T]: token rewards -kl_coef * kl_t, plus the score at the last trained token (the
+    mask's last 1: multi-turn masks have gaps at tool results); a token's return sums the rewards from it on, its
+    baseline is the leave-one-out mean of the other scored samples' whole returns. Unscorable (NaN) samples: 0."""
     scored = ~scores.isnan()
     rewards = -kl_coef * kl * mask
     last = (mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
@@ -255,6 +252,7 @@ def main(args: Args):
     mini_size = per_device * args.gradient_accumulation_steps
     local_size = mini_size * args.num_mini_batches
     args.rollout_batch_size = local_size * args.world_size  # completions per rollout
+    n_prompts = args.rollout_batch_size // args.rloo_k
     sizes = (f"per_device_train_batch_size {per_device} x gradient_accumulation_steps "
              f"{args.gradient_accumulation_steps} x num_mini_batches {args.num_mini_batches} x "
              f"{args.world_size} processes")
@@ -262,7 +260,6 @@ def main(args: Args):
         raise UserError(f"{sizes} = {args.rollout_batch_size} completions per rollout, which must be a multiple of "
                         f"rloo_k {args.rloo_k} (>= 2)")
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
-    multi_turn = bool(args.episodes.tools or args.episodes.environment_factory)
     if args.max_staleness:  # features' checks, before anything loads
         check_staleness(args.max_staleness, accelerator, use_vllm=args.vllm.use_vllm, vllm_mode=args.vllm.vllm_mode,
                         use_peft=args.model.use_peft, environment_factory=args.episodes.environment_factory)
@@ -278,11 +275,11 @@ def main(args: Args):
     check_columns(dataset, {"prompt-only": ["prompt"]},
                   f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
     rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), args.rollout_batch_size // args.rloo_k, f"{sizes} / rloo_k {args.rloo_k}")
+    check_prompts_fill_a_batch(len(rows), n_prompts, f"{sizes} / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
     e = args.episodes
     tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, timeout=e.tool_timeout) \
-        if multi_turn else None
+        if e.tools or e.environment_factory else None  # multi-turn episodes
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
                   gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
                   no_dropout=args.disable_dropout)
@@ -308,21 +305,19 @@ def main(args: Args):
                                 resume_from=c.resume_from_checkpoint, save_steps=c.save_steps,
                                 save_total_limit=c.save_total_limit, skip_nonfinite_steps=c.skip_nonfinite_steps)
     resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
     t = args.tracking
+    t.run_name = resumed.get("run_name", t.run_name)  # a resumed run logs on in its own JSONL
     tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=t.run_name, config=flags(args),
                       logging_steps=t.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
                       wandb_project=t.wandb_project_name if t.track else None, wandb_entity=t.wandb_entity)
-    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size // args.rloo_k} "
-                      f"prompts x {args.rloo_k} completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} "
-                      "mini-batches each; rewards: "
-                      + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
+    accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {n_prompts} prompts x {args.rloo_k} "
+                      f"completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each; "
+                      "rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     episode = resumed.get("episode", 0)  # completions taken
     start_time, start_episode = time.time(), episode  # eps counts this process's episodes
     # endless: each rollout's prompts, rloo_k times each, this rank's share; resumed at the checkpoint's data position
-    prompts_iter = prompt_batches(len(rows), args.rollout_batch_size // args.rloo_k, args.rloo_k, seed=args.seed,
-                                  rank=rank, local_size=local_size,
+    prompts_iter = prompt_batches(len(rows), n_prompts, args.rloo_k, seed=args.seed, rank=rank, local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.rollout_batch_size)
     shuffler = torch.Generator().manual_seed(args.seed)  # the same on every rank: one global order
     if resumed:
@@ -344,21 +339,20 @@ def main(args: Args):
             seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
             with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
                 samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
-            texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
-            completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
-                           else text for i, text in zip(indices, texts)]
             c_mask, columns = samples.completion_mask, {}
-        else:  # the episode of each (tool results: context), vLLM's samples, or drawn ahead by pi_b (K >= 1)
+        else:  # the episode of each (tool results: context, not trained), vLLM's, or drawn ahead by pi_b
             stream.publish(model, step - 1)  # the weights the next rollouts are drawn from
-            indices, episodes = stream.next_batch(step - 1)  # K >= 1: sampler_logps, the behaviour policy's
-            samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
-            c_mask = samples.model_mask  # the model's tokens (multi-turn: not the tool results)
-            texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+            indices, episodes = stream.next_batch(step - 1)
+            samples, columns, c_mask = episodes.samples, episodes.columns, episodes.samples.model_mask
         episode += args.rollout_batch_size
         c_ids, finished = samples.completion_ids, samples.finished
+        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
 
-        # ---- SCORE: the scores (NaN: no source scored it), minus the penalty of a missing EOS (the EOS trick) ----
-        prompts = [rows[i]["prompt"] for i in indices]
+        # ---- SCORE: the scores (NaN: no source scored it), minus the penalty of a missing EOS (the EOS trick);
+        # a completion as reward functions take it: a string or one assistant message (tools: the episode's) ----
+        completions = episodes.completions if tools else [
+            [{"role": "assistant", "content": text}] if is_conversational(p) else text
+            for p, text in zip(prompts, texts)]
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
         scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
                                              columns=columns,

@@ -22,7 +22,7 @@ from common.runtime import UserError
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --save_steps, not --checkpoint.save-steps
 @dataclass
 class CheckpointArgs:
-    """checkpoints and stopping"""
+    """checkpoints and stopping (common/checkpoint.py)"""
     save_steps: int = 0
     """save a resumable checkpoint every this many steps (rloo, ppo: rollouts; 0: only on SIGTERM / Ctrl-C or a
     non-finite value)"""

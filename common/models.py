@@ -17,7 +17,7 @@ from common.runtime import UserError, check_built
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --use_peft, not --model.use-peft
 @dataclass
 class ModelArgs:
-    """memory, precision and LoRA"""
+    """memory, precision and LoRA (common/models.py)"""
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype the weights are loaded in (auto: the checkpoint's)"""
     bf16: bool = False

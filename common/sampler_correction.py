@@ -25,16 +25,19 @@ class SamplerCorrectionArgs:
 
 
 def check_correction(args: SamplerCorrectionArgs, *, use_vllm: bool, repetition_penalty: float = 1.0,
-                     max_staleness: int = 0):
-    """Before anything loads: the correction's flags compatible with the others."""
+                     max_staleness: int = 0) -> dict | None:
+    """Before anything loads: the correction's flags compatible with the others; importance_weights' options
+    (None: no correction)."""
     if not (use_vllm and args.vllm_importance_sampling_cap):
-        return
+        return None
     if repetition_penalty != 1:  # README: sampler mismatch
         raise UserError("--repetition_penalty with --vllm_importance_sampling_cap: vLLM's logprobs include the "
                         "penalty, the trainer's leave it out, so their ratio would measure the penalty; drop one")
     if max_staleness:
         raise UserError("--max_staleness with --vllm_importance_sampling_cap: the staleness weight pi_old / "
                         "pi_behaviour already divides by vLLM's log-probabilities; the two would correct one ratio")
+    return dict(mode=args.vllm_importance_sampling_mode, low=args.vllm_importance_sampling_clip_min,
+                high=args.vllm_importance_sampling_cap)
 
 
 def importance_weights(logps, sampler_logps, mask, mode: str, low: float, high: float):

@@ -17,7 +17,7 @@ from common.data import is_conversational, without_nulls
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --track, not --tracking.track
 @dataclass
 class TrackingArgs:
-    """tracking"""
+    """tracking (common/tracking.py)"""
     run_name: str | None = None
     """name of the run (default: <script>__<seed>__<unix time>)"""
     logging_steps: int = 10
