@@ -44,6 +44,7 @@ from common.runtime import (UserError, check_output_dir, check_positive, exit_on
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given
 from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
+from common.resume import resume  # --resume_from_checkpoint
 from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
 from common.sampler_correction import (SamplerCorrectionArgs, check_correction, importance_metrics,
                                        importance_weights)  # --vllm_importance_sampling_cap
@@ -349,16 +350,13 @@ def main(args: Args):
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
     sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
                           **vllm_options) if args.vllm.use_vllm else None
-    c = args.checkpoint
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
-                                resume_from=c.resume_from_checkpoint, save_steps=c.save_steps,
-                                save_total_limit=c.save_total_limit, skip_nonfinite_steps=c.skip_nonfinite_steps)
-    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
+    checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
+                                run_name=args.tracking.run_name)
+    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
     args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
-    t = args.tracking
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=t.run_name, config=flags(args),
-                      logging_steps=t.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=t.wandb_project_name if t.track else None, wandb_entity=t.wandb_entity)
+    tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
+                      total_steps=args.max_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; {local_size} completions per process and "
                       f"generation batch, {args.num_generations} per prompt; rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))

@@ -37,6 +37,7 @@ from common.generation import (generate, real_positions, shifted_logits, token_e
                                unwrapped_for_generation)
 from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_reward_model, load_tokenizer,
                            prepare_frozen)
+from common.resume import resume  # --resume_from_checkpoint
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -312,20 +313,17 @@ def main(args: Args):
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    ckpt = args.checkpoint
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
-                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
-                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
-    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: policy and value, optimizer, RNGs, step
+    checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
+                                run_name=args.tracking.run_name)
+    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
     sampler = None
     if args.vllm.use_vllm:
         sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.response_length,
                               **vllm_options)
-    track = args.tracking
-    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
-                      logging_steps=track.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
+                      total_steps=args.max_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {args.rollout_batch_size} responses, "
                       f"{args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each")
 

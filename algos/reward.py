@@ -32,6 +32,7 @@ from common.data import (NO_SHARED_START, check_columns, encode_completion, enco
                          split_implicit_prompt)
 from common.generation import decodes_here, pad, unwrapped_for_generation
 from common.models import ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
+from common.resume import resume  # --resume_from_checkpoint
 from common.rewards import last_token_scores
 from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -262,15 +263,13 @@ def main(args: Args):
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    ckpt, track = args.checkpoint, args.tracking
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
-                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
-                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
-    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
-                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
+    checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
+                                run_name=args.tracking.run_name)
+    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
+                      total_steps=args.num_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(train_examples)} training pairs, {args.num_steps} steps of {args.total_batch_size} pairs")
 
     batches = micro_batches(train_examples, args, accelerator.process_index, tokenizer.pad_token_id)

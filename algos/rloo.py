@@ -12,7 +12,7 @@ The update is the PPO clipped surrogate on per-token ratios against the sampling
 num_ppo_epochs passes of num_mini_batches optimizer steps each. --token_level_kl: the KL penalty is
 a per-token reward, a token's advantage the return from it on (REINFORCE++'s reward-to-go, Hu 2025).
 The EOS trick and reward normalisation follow the N+ implementation details (Huang et al. 2024).
---loss_type cispo / sapo: grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025):
+--loss_type cispo / sapo: grpo.py's token losses (CISPO, MiniMax-M1 2025; SAPO, Gao et al. 2025), same token mean:
 
     cispo: -sg(min(ratio_t, 1 + cliprange)) * A_t * log pi(o_t)        (clipped tokens keep a gradient)
     sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_t, tau = tau_pos if A_t > 0 else tau_neg
@@ -260,12 +260,12 @@ def main(args: Args):
         raise UserError(f"{sizes} = {args.rollout_batch_size} completions per rollout, which must be a multiple of "
                         f"rloo_k {args.rloo_k} (>= 2)")
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
-    if args.max_staleness:  # features' checks, before anything loads
-        check_staleness(args.max_staleness, accelerator, use_vllm=args.vllm.use_vllm, vllm_mode=args.vllm.vllm_mode,
-                        use_peft=args.model.use_peft, environment_factory=args.episodes.environment_factory)
+    if args.max_staleness:  # the features' checks, before anything loads
+        check_staleness(args.max_staleness, accelerator, args)
+    corrected = None  # the sampler-mismatch correction's options (common/sampler_correction.py)
     if args.vllm.use_vllm:
-        check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
-                         max_staleness=args.max_staleness)
+        corrected = check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
+                                     max_staleness=args.max_staleness)
         vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
                                        use_peft=args.model.use_peft)  # vLLM there, the server up
 
@@ -366,15 +366,13 @@ def main(args: Args):
         p_ids = accelerator.pad_across_processes(samples.prompt_ids, dim=1, pad_index=tokenizer.pad_token_id,
                                                  pad_first=True)
         p_mask = accelerator.pad_across_processes(samples.prompt_mask, dim=1, pad_index=0, pad_first=True)
-        # multi-turn: tool results are attended to, not trained
         input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, samples.completion_mask], 1)
         prompt_width, mask = p_ids.shape[1], c_mask.float()
         old_logps = rollout_logps(model, input_ids, attention_mask, prompt_width, **logps_options) * mask
         with reference(accelerator, model, ref_model) as ref:
             ref_logps = rollout_logps(ref, input_ids, attention_mask, prompt_width, **logps_options) * mask
         all_scores, kl = accelerator.gather(scores), accelerator.gather(old_logps - ref_logps)
-        # unscorable completions (score NaN) stay out of the baselines, the whitening and the loss
-        scored = ~all_scores.isnan()
+        scored = ~all_scores.isnan()  # unscorable (NaN) ones stay out of the baselines, the whitening and the loss
         sampled = accelerator.gather(mask)  # the tokens the sampler drew (and gave logprobs for)
         all_mask = sampled * scored[:, None]
         if args.normalize_rewards:
@@ -392,15 +390,12 @@ def main(args: Args):
                 advantages = whiten(advantages, scored.float())
         # the whole rollout on every rank ([B, P + T] and [B, T]): micro-batches are drawn from one global shuffle,
         # so the update does not depend on how many processes share it
-        input_ids, attention_mask, old_logps = (accelerator.gather(t) for t in (input_ids, attention_mask, old_logps))
+        input_ids, attention_mask, old_logps = (accelerator.gather(x) for x in (input_ids, attention_mask, old_logps))
         is_weights, is_stats = torch.ones_like(old_logps), {}  # the loss's token weights (1: no correction)
         if samples.sampler_logps is not None:  # vLLM's; K >= 1: the behaviour policy's (pi_b)
             sampler_logps = accelerator.gather(samples.sampler_logps)
-        if sampler is not None and args.correction.vllm_importance_sampling_cap:  # vLLM's pi differs from ours
-            o = args.correction  # sampler-mismatch correction, once per rollout (old_logps fixed)
-            is_weights, is_stats = importance_weights(
-                old_logps, sampler_logps, sampled, mode=o.vllm_importance_sampling_mode,
-                low=o.vllm_importance_sampling_clip_min, high=o.vllm_importance_sampling_cap)
+        if corrected:  # vLLM's pi differs slightly from the trainer's: once per rollout (old_logps stay fixed)
+            is_weights, is_stats = importance_weights(old_logps, sampler_logps, sampled, **corrected)
         if args.max_staleness:  # decoupled PPO: clipped to pi_old, each token weighted by pi_old / pi_b, truncated
             stale = torch.exp(old_logps - sampler_logps) * sampled
             is_stats["async/importance_ratio"] = stale.sum() / sampled.sum().clamp(min=1)
@@ -464,7 +459,7 @@ def main(args: Args):
             metrics |= episode_metrics(accelerator, finished, episodes.turns, episodes.calls, episodes.failures)
         if stream:  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
             metrics |= stream.metrics()
-        if is_stats:  # TRL's names (the whole rollout is on every rank); K >= 1: async/importance_ratio
+        if is_stats:  # TRL's names; K >= 1: async/importance_ratio
             metrics |= {k if "/" in k else f"sampling/importance_sampling_ratio/{k}": v.item()
                         for k, v in is_stats.items()}
         if step % args.eval_steps == 0 or step == 1:

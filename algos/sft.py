@@ -28,6 +28,7 @@ from common.data import (check_columns, encode_completion, encode_prompt, is_con
                          without_nulls)
 from common.generation import decodes_here, generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer
+from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs
@@ -282,15 +283,13 @@ def main(args: Args):
                              args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
     model, optimizer = accelerator.prepare(model, optimizer)
-    ckpt, track = args.checkpoint, args.tracking
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=track.run_name,
-                                resume_from=ckpt.resume_from_checkpoint, save_steps=ckpt.save_steps,
-                                save_total_limit=ckpt.save_total_limit, skip_nonfinite_steps=ckpt.skip_nonfinite_steps)
-    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    track.run_name = resumed.get("run_name", track.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=track.run_name, config=flags(args),
-                      logging_steps=track.logging_steps, total_steps=args.num_steps, start_step=resumed.get("step", 0),
-                      wandb_project=track.wandb_project_name if track.track else None, wandb_entity=track.wandb_entity)
+    checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
+                                run_name=args.tracking.run_name)
+    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
+                      total_steps=args.num_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(train_examples)} training examples, {args.num_steps} steps of "
                       f"{args.total_batch_size} examples, {sum(p.numel() for p in model.parameters()):,} parameters")
 

@@ -3,17 +3,13 @@ stops early (signals, non-finite values)."""
 
 import math
 import os
-import pickle
-import pkgutil
 import shutil
 import signal
 import sys
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import tyro
-from accelerate.utils import gather_object
 
 from common import runtime
 from common.runtime import UserError
@@ -58,53 +54,6 @@ def save_model(accelerator, model, tokenizer, output_dir: str, part: str | None 
     accelerator.wait_for_everyone()
 
 
-# what DeepSpeed (0.19) pickles into its optimizer files besides data: plain classes, safe to rebuild
-DEEPSPEED_CLASSES = ("deepspeed.runtime.fp16.loss_scaler:LossScaler", "deepspeed.runtime.zero.config:ZeroStageEnum",
-                     "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
-                     "deepspeed.utils.tensor_fragment:fragment_address")
-
-
-# what torch.distributed.checkpoint (torch 2.13) pickles into the `.metadata` file of an FSDP2 sharded state
-# dict (model and optimizer, as accelerate saves them), found by reading real ones with pickletools; a torch
-# dtype is admitted by its type. DCP's reader unpickles the file in full (FileSystemReader.read_metadata).
-DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-                                              "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-                                              "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch": {"Size"},
-    "torch.serialization": {"_get_layout"}, "pathlib": {"PosixPath", "WindowsPath"}}  # the save's checkpoint_id
-
-
-class RefusedGlobal(pickle.UnpicklingError):
-    pass
-
-
-class DCPMetadataUnpickler(pickle.Unpickler):
-    """Rebuilds DCP's metadata classes only: any other global (a function to call, a class) is refused
-    unloaded. https://docs.python.org/3/library/pickle.html#restricting-globals"""
-
-    def find_class(self, module, name):
-        if name in DCP_METADATA_CLASSES.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise RefusedGlobal(f"{module}.{name}")
-
-
-def unsafe_metadata(path: str) -> str | None:
-    """What is wrong with the first DCP `.metadata` file under checkpoint `path` (None: nothing, or none there)."""
-    for root, _, files in sorted(os.walk(path, followlinks=True)):  # a linked folder too
-        for name in sorted(f for f in files if f.endswith(".metadata")):  # also DCP's per-rank __<r>.metadata
-            file = os.path.join(root, name)
-            try:
-                with open(file, "rb") as f:
-                    DCPMetadataUnpickler(f).load()
-            except RefusedGlobal as e:
-                return f"holds pickled code, not only data ({os.path.relpath(file, path)} calls {e})"
-            except Exception as e:  # truncated, not a pickle: DCP would fail with a traceback
-                return f"is damaged ({os.path.relpath(file, path)}: {type(e).__name__}: {e})"
-    return None
-
-
 class Checkpointer:
     """<output_dir>/checkpoints/step_<n>: accelerate's state (model, optimizer, scheduler, every process's
     RNGs) and the loop's state (a dict: counters, anything carried between steps), written aside and
@@ -113,11 +62,10 @@ class Checkpointer:
     and saves and exits after SIGTERM / Ctrl-C or a non-finite loss or gradient, whose update `finite`
     has dropped (in rloo/ppo a step is a rollout: its finite mini-batch updates still apply)."""
 
-    def __init__(self, accelerator, scheduler, *, output_dir: str, run_name: str, resume_from: str | None,
-                 save_steps: int, save_total_limit: int, skip_nonfinite_steps: bool):
-        self.accelerator, self.run_name, self.resume_from = accelerator, run_name, resume_from
-        self.save_steps, self.save_total_limit = save_steps, save_total_limit
-        self.skip_nonfinite_steps = skip_nonfinite_steps
+    def __init__(self, accelerator, scheduler, options: CheckpointArgs, *, output_dir: str, run_name: str):
+        self.accelerator, self.run_name, self.resume_from = accelerator, run_name, options.resume_from_checkpoint
+        self.save_steps, self.save_total_limit = options.save_steps, options.save_total_limit
+        self.skip_nonfinite_steps = skip_nonfinite_steps = options.skip_nonfinite_steps
         self.root = os.path.join(output_dir, "checkpoints")
         # (metric, value) that made this step's update be dropped; DeepSpeed steps inside backward(), before
         # `finite` can drop the update (it skips overflows itself)
@@ -127,7 +75,7 @@ class Checkpointer:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
                             "inside backward (it skips overflowing gradients itself); without the flag a non-finite "
                             "loss is caught before backward, and the run saves the last good weights and stops")
-        if not resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
+        if not self.resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
             shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
         accelerator.wait_for_everyone()  # on a shared file system: before any process writes the first one
         accelerator.register_for_checkpointing(scheduler)  # not prepared (see the scripts), so registered
@@ -136,40 +84,6 @@ class Checkpointer:
         """The complete checkpoints, oldest first."""
         names = os.listdir(self.root) if os.path.isdir(self.root) else []
         return sorted((d for d in names if d.startswith("step_")), key=lambda d: int(d[5:]))
-
-    def resume(self) -> dict:
-        """Load --resume_from_checkpoint (a directory, or `latest`); the loop state with "step", "run_name" ({})."""
-        if not (path := self.resume_from):
-            return {}
-        if path == "latest":  # the newest on every machine (without a shared file system each lists its own)
-            if not (everywhere := set.intersection(*map(set, gather_object([self.saved()])))):
-                raise UserError(f"--resume_from_checkpoint latest: no checkpoint in '{self.root}'" + (self.saved() and
-                                f" is on every machine (this one has {', '.join(self.saved())})" or ""))
-            path = os.path.join(self.root, max(everywhere, key=lambda d: int(d[5:])))
-        rank_file = os.path.join(path, f"loop_state_{self.accelerator.process_index}.pt")
-        # each rank checks its own files (without a shared file system, another copy): one bad, all ranks stop
-        verdicts = gather_object([(os.path.isfile(rank_file), unsafe_metadata(path))])
-        if missing := [r for r, (ok, _) in enumerate(verdicts) if not ok]:
-            raise UserError(f"'{path}' is not a checkpoint of this script for {self.accelerator.num_processes} "
-                            f"process(es) (no loop_state_{missing[0]}.pt)")
-        if bad := next(((r, v) for r, (_, v) in enumerate(verdicts) if v), None):  # before DCP unpickles in full
-            by = f", as read by process {bad[0]}" if self.accelerator.num_processes > 1 else ""
-            raise UserError(f"'{path}' {bad[1]}{by}; it was not loaded")
-        # no file of a checkpoint may run code: torch's weights-only unpickler also where accelerate (the
-        # registered scheduler) and DeepSpeed would unpickle in full
-        deepspeed_classes = [pkgutil.resolve_name(c) for c in DEEPSPEED_CLASSES] if self.engine else []
-        try:
-            with (mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="0"),
-                  torch.serialization.safe_globals(deepspeed_classes)):
-                state = torch.load(rank_file, weights_only=True)
-                if state["world_size"] != self.accelerator.num_processes:
-                    raise UserError(f"'{path}' was written by {state['world_size']} processes; resume it with as many")
-                self.accelerator.load_state(path)
-        except pickle.UnpicklingError:  # torch refused a global or an instruction: not data alone
-            raise UserError(f"'{path}' holds pickled code, not only data; it was not loaded") from None
-        self.run_name = state["run_name"]  # the metrics go on in the same JSONL (and wandb run)
-        self.accelerator.print(f"resumed from {path} at step {state['step']}")
-        return state
 
     def finite(self, **values) -> bool:
         """After clipping, before optimizer.step(): False (on every process) when a value (loss, grad_norm,

@@ -31,12 +31,12 @@ class TrackingArgs:
 
 
 class Tracker:
-    def __init__(self, accelerator, *, output_dir: str, run_name: str, config: dict, logging_steps: int,
-                 total_steps: int, start_step: int = 0, wandb_project: str | None = None,
-                 wandb_entity: str | None = None):
+    def __init__(self, accelerator, options: TrackingArgs, *, output_dir: str, config: dict, total_steps: int,
+                 start_step: int = 0):
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file
         (from step 0 a run of the same name starts the file again)."""
-        self.main, self.every, self.start = accelerator.is_main_process, max(1, logging_steps), time.time()
+        self.main, self.every, self.start = accelerator.is_main_process, max(1, options.logging_steps), time.time()
+        run_name = options.run_name
         # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
         # lines print either way
         self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
@@ -54,10 +54,11 @@ class Tracker:
                 f.writelines(kept)
         with open(os.path.join(os.path.dirname(self.path), f"{run_name}.args.json"), "w") as f:
             json.dump(config, f, indent=1)
-        if wandb_project:
+        if options.track:
             import wandb
-            self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config,
-                                    dir=output_dir, id=re.sub(r"[^\w.-]", "_", run_name), resume="allow")
+            self.wandb = wandb.init(project=options.wandb_project_name, entity=options.wandb_entity, name=run_name,
+                                    config=config, dir=output_dir, id=re.sub(r"[^\w.-]", "_", run_name),
+                                    resume="allow")
 
     def log(self, metrics: dict, step: int):
         """Record `metrics` (floats) at optimizer step `step`; printed every `logging_steps`."""

@@ -28,7 +28,9 @@ from safetensors.torch import load_file
 
 from algos import sft
 from common import checkpoint
-from common.checkpoint import Checkpointer
+from common.checkpoint import CheckpointArgs, Checkpointer
+from common import resume as resuming
+from common.resume import unsafe_metadata
 from common.runtime import UserError
 from tests.conftest import ROOT, run_script, script_args
 from tests.test_multiprocess import CASES, model_flags
@@ -270,9 +272,8 @@ def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
         this.rank = StandInRank(i, barrier, board)
         output_dir = str(tmp_path / ("shared" if shared else f"machine{i // 2}"))
         try:
-            return work(Checkpointer(this.rank, None, output_dir=output_dir,
-                                     run_name="r", save_steps=1, skip_nonfinite_steps=False,
-                                     **{"resume_from": None, "save_total_limit": 2, **kw}), this.rank)
+            options = CheckpointArgs(**{"save_steps": 1, "save_total_limit": 2, **kw})
+            return work(Checkpointer(this.rank, None, options, output_dir=output_dir, run_name="r"), this.rank)
         except UserError as e:
             return e
 
@@ -309,12 +310,12 @@ def test_latest_is_the_newest_checkpoint_on_every_machine(tmp_path, monkeypatch)
     shutil.rmtree(tmp_path / "machine1" / "checkpoints" / "step_3")  # machine 0: steps 1-3, machine 1: 1-2
 
     def resume(ck, rank):
-        return ck.resume()["step"], rank.loaded
-    assert on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest") == [
+        return resuming.resume(ck)["step"], rank.loaded
+    assert on_two_machines(tmp_path, monkeypatch, False, resume, resume_from_checkpoint="latest") == [
         (2, str(tmp_path / f"machine{i // 2}" / "checkpoints" / "step_2")) for i in range(4)]
     for step in ("step_1", "step_2"):
         shutil.rmtree(tmp_path / "machine0" / "checkpoints" / step)  # machine 0: step 3, machine 1: 1-2
-    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
+    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from_checkpoint="latest")
     assert all(isinstance(e, UserError) for e in errors)
     checkpoints = tmp_path / "machine0" / "checkpoints"
     assert str(errors[0]) == (f"--resume_from_checkpoint latest: no checkpoint in '{checkpoints}'"
@@ -380,8 +381,8 @@ def test_steps_past_9_are_ordered_by_number_when_pruned_and_resumed(tmp_path, mo
     assert sorted(os.listdir(tmp_path / "shared" / "checkpoints")) == ["step_10", "step_11", "step_9"]
 
     def resume(ck, rank):
-        return ck.resume()["step"], rank.loaded
-    assert on_two_machines(tmp_path, monkeypatch, True, resume, resume_from="latest") == [
+        return resuming.resume(ck)["step"], rank.loaded
+    assert on_two_machines(tmp_path, monkeypatch, True, resume, resume_from_checkpoint="latest") == [
         (11, str(tmp_path / "shared" / "checkpoints" / "step_11"))] * 4
 
 
@@ -431,7 +432,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path, how):
     import torch.distributed.checkpoint as dcp
 
     model, marker = dcp_checkpoint(tmp_path), tmp_path / "marker"
-    assert checkpoint.unsafe_metadata(str(tmp_path)) is None
+    assert unsafe_metadata(str(tmp_path)) is None
     state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=tmp_path / "pytorch_model_fsdp_0", no_dist=True)
     assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
@@ -444,13 +445,13 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path, how):
     called = {"os.system": f"{os.system.__module__}.system", "exec": "builtins.exec",  # posix.system on Linux
               "torch.save": "torch.serialization.save"}.get(how, how)  # a module whose _get_layout is admitted
     try:
-        assert checkpoint.unsafe_metadata(str(tmp_path)) == (
+        assert unsafe_metadata(str(tmp_path)) == (
             f"holds pickled code, not only data (pytorch_model_fsdp_0/.metadata calls {called})")
         assert not marker.exists() and torch.get_default_dtype() == torch.float32
     finally:
         torch.set_default_dtype(torch.float32)
     file.write_bytes(file.read_bytes()[:100])
-    assert checkpoint.unsafe_metadata(str(tmp_path)) == ("is damaged (pytorch_model_fsdp_0/.metadata: UnpicklingError: "
+    assert unsafe_metadata(str(tmp_path)) == ("is damaged (pytorch_model_fsdp_0/.metadata: UnpicklingError: "
                                                          "pickle data was truncated)")
 
 
@@ -466,8 +467,8 @@ def test_dcp_metadata_that_would_run_code_on_one_machine_stops_every_rank(tmp_pa
         pickle.dump(crafted(marker)["os.system"], f)
 
     def resume(ck, rank):
-        return ck.resume(), rank.loaded
-    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from="latest")
+        return resuming.resume(ck), rank.loaded
+    errors = on_two_machines(tmp_path, monkeypatch, False, resume, resume_from_checkpoint="latest")
     assert [str(e) for e in errors] == [
         f"'{tmp_path / f'machine{i // 2}' / 'checkpoints' / 'step_1'}' holds pickled code, not only data (optimizer_0/"
         f".metadata calls {os.system.__module__}.system), as read by process 2; it was not loaded" for i in range(4)]

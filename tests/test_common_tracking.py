@@ -4,12 +4,12 @@ import json
 import sys
 from types import SimpleNamespace
 
-from common.tracking import Tracker
+from common.tracking import Tracker, TrackingArgs
 
 
 def tracker(tmp_path, start_step=0):
-    return Tracker(SimpleNamespace(is_main_process=True), output_dir=str(tmp_path), run_name="r", config={},
-                   logging_steps=1, total_steps=2, start_step=start_step)
+    return Tracker(SimpleNamespace(is_main_process=True), TrackingArgs(run_name="r", logging_steps=1),
+                   output_dir=str(tmp_path), config={}, total_steps=2, start_step=start_step)
 
 
 def test_off_a_terminal_no_progress_bar_but_every_metric_line(tmp_path, capsys):

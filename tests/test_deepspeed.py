@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from benchmarks import tiny_tldr
-from common.checkpoint import Checkpointer
+from common.checkpoint import CheckpointArgs, Checkpointer
 from common.runtime import UserError
 from tests.conftest import ROOT, run_script
 from tests.test_multiprocess import CASES, TOLERANCE, model_flags, one_process_run, small_data
@@ -215,8 +215,8 @@ def _checkpointer(tmp_path, applied, skip=False):
         state=types.SimpleNamespace(deepspeed_plugin=object()), reduce=lambda t, op: t, wait_for_everyone=lambda: None,
         deepspeed_engine_wrapped=types.SimpleNamespace(engine=_Engine(applied)), print=print,
         save_state=lambda path: None)
-    return Checkpointer(accelerator, None, output_dir=str(tmp_path), run_name="r", resume_from=None, save_steps=0,
-                        save_total_limit=2, skip_nonfinite_steps=skip)
+    return Checkpointer(accelerator, None, CheckpointArgs(skip_nonfinite_steps=skip), output_dir=str(tmp_path),
+                        run_name="r")
 
 
 @pytest.mark.parametrize("applied", [False, True])

@@ -2,6 +2,7 @@
 returns, the clipped surrogate, whitening, and end-to-end runs including a learning test."""
 
 import math
+import os
 import statistics
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from algos import rloo
 from common.runtime import UserError
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 from tests.test_sft import read_log
 
 
@@ -204,3 +205,61 @@ def test_first_step_gradient_against_the_advantages_written_out(tmp_path, tiny_m
         scored_logps = [lp for lp, s in zip(logps, scores) if s is not None]
         terms = {"whitened token advantages": sum(-(a * lp).sum() for a, lp in zip(white, scored_logps)) / tokens}
     assert_gradient(grads_of(record), {name: gradient(t, policy) for name, t in terms.items()})
+
+
+RECORDED = []  # what tests.test_rloo:recorded was given, call by call
+
+
+def recorded(prompts, completions, **columns):
+    """A reward function that records its arguments; the words of each completion's one message."""
+    RECORDED.append(dict(prompts=prompts, completions=completions, **columns))
+    return [float(len(c[0]["content"].split())) for c in completions]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_base_path_seeds_each_completion_by_its_place_and_scores_conversations_as_messages(tmp_path, tiny_model,
+                                                                                               monkeypatch):
+    """The rollout rloo.py writes out for a run without features (issue 56; tests/test_base_path.py: it enters no
+    feature module): HF generate with a seed per completion from its place in the run (seed x 10^9 + completions
+    before it + j, as common/rollouts.py numbers them), each conversational completion given to reward functions
+    as one assistant message holding its decoded text, with the data's other columns; no feature's metric logged."""
+    from common.models import load_tokenizer
+    from tests.first_step import write_splits
+
+    calls, generate = [], rloo.generate
+
+    def recording(*a, **k):
+        calls.append((k["seeds"], generate(*a, **k)))
+        return calls[-1][1]
+    monkeypatch.setattr(rloo, "generate", recording)
+    template = tmp_path / "template.jinja"
+    template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
+        "<|im_end|>", "<|endoftext|>"))
+    rows = [{"prompt": [{"role": "user", "content": f"Say {a}."}], "answer": a} for a in ("one", "two", "three", "4")]
+    args = rloo.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows), seed=3,
+                     chat_template_path=str(template), reward_model_paths=[], reward_funcs=["tests.test_rloo:recorded"],
+                     per_device_train_batch_size=3, num_mini_batches=2, rloo_k=2, max_steps=2,
+                     max_completion_length=6, temperature=0.7, output_dir=str(tmp_path / "out"))
+    RECORDED.clear()
+    rloo.main(args)
+    assert [seeds for seeds, _ in calls] == [[3 * 10**9 + 6 * step + j for j in range(6)] for step in range(2)]
+    tokenizer = load_tokenizer(tiny_model)
+    assert len(RECORDED) == 2
+    for (_, samples), given in zip(calls, RECORDED):
+        texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+        assert given["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
+        assert given["answer"] == [p[0]["content"][4:-1] for p in given["prompts"]]
+    log = read_log(args.output_dir)
+    features = ("vllm", "async", "tools", "episodes", "sampling")
+    assert len(log) == 2 and not [k for k in log[0] if k.split("/")[0] in features]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_max_staleness_alone_draws_each_rollout_ahead(tmp_path, tiny_model):
+    """--max_staleness 1 without vLLM or tools still leaves the base path: the second rollout was drawn by the
+    weights before the first update (staleness 0, then 1; tests/test_async.py has the numbers)."""
+    out = str(tmp_path / "out")
+    rloo.main(rloo.Args(model_name_or_path=tiny_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"],
+                        per_device_train_batch_size=4, rloo_k=2, max_steps=2, max_completion_length=4, max_staleness=1,
+                        num_ppo_epochs=1, temperature=0.9, output_dir=out))
+    assert [r["async/staleness"] for r in read_log(out)] == [0, 1]
