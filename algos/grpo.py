@@ -1,7 +1,5 @@
-"""Group Relative Policy Optimization (GRPO): online RL with a group-mean baseline instead of a critic.
-
-GRPO (Shao et al. 2024, "DeepSeekMath") samples G completions per prompt, scores them, and uses
-the reward relative to the group as the advantage of every token:
+"""Group Relative Policy Optimization (GRPO, Shao et al. 2024, "DeepSeekMath"): G completions per prompt, scored,
+the reward relative to the group the advantage of every token (no critic):
 
     A_i = (r_i - mean(r_group)) / std(r_group)                        (--scale_rewards group)
     loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
@@ -10,16 +8,16 @@ the reward relative to the group as the advantage of every token:
 
 with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
 A completion no reward source scores (None / NaN: unknown, not 0) is left out of its group's mean and std and the loss.
-Variants: clip-higher and token-level normalisation over the batch (DAPO, Yu et al. 2025); no std scaling and a
-constant normaliser (Dr. GRPO, Liu et al. 2025); a sequence-level ratio (GSPO, Zheng et al. 2025); batch-std scaling
-(REINFORCE++, Hu 2025); DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025). The
-reward-model plumbing and EOS handling follow the N+ implementation details (Huang et al. 2024). --max_staleness K:
-decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025) on batches drawn by pi_b up to K rollouts older, clipped to
-pi_old, tokens weighted by min(pi_old / pi_b, C) (docs/async.md).
+Variants: clip-higher and token-level normalisation (DAPO, Yu et al. 2025); no std scaling, a constant normaliser
+(Dr. GRPO, Liu et al. 2025); a sequence-level ratio (GSPO, Zheng et al. 2025); batch-std scaling (REINFORCE++, Hu
+2025); DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025); EOS handling as the N+
+implementation details (Huang et al. 2024). --max_staleness K: decoupled PPO (Hilton et al. 2022; AReaL, Fu et al.
+2025), clipped to pi_old, tokens weighted by min(pi_old / pi_b, C) for batches drawn by pi_b (docs/async.md).
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
 """
 
+import functools
 import math
 import os
 import sys
@@ -35,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
                          prompt_batches)
-from common.generation import (generate, pad, shifted_logits, token_entropy_no_grad, token_logprobs,
+from common.generation import (SamplingArgs, generate, pad, shifted_logits, token_entropy_no_grad, token_logprobs,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
@@ -119,14 +117,6 @@ class Args:
     """tokens sampled per completion"""
     temperature: float = 1.0
     """sampling temperature; training logprobs use the same one"""
-    top_p: float = 1.0
-    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
-    top_k: int = 0
-    """top-k sampling (0 disables); training logprobs too, as top_p"""
-    min_p: float = 0.0
-    """min-p sampling (0 disables); training logprobs too, as top_p"""
-    repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -159,6 +149,7 @@ class Args:
     # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
     # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
 
+    sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
@@ -195,16 +186,13 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
     return (grouped - grouped.nanmean(dim=1, keepdim=True)).nan_to_num().abs().amax(dim=1) >= 1e-6
 
 
-def informative_rows(pool: list[dict], num_generations: int) -> int:
-    """DAPO dynamic sampling: completions of the generation batches drawn (dicts of gathered tensors) that belong to
-    groups whose rewards differ."""
-    return sum(int(informative_groups(b["rewards"], num_generations).sum()) * num_generations for b in pool)
-
-
-def informative_first(pool: list[dict], num_generations: int, size: int) -> dict:
-    """DAPO dynamic sampling: the first `size` rows of the batches drawn, those of informative groups first (in the
-    order drawn), then the others (when max_dynamic_sampling_rounds ran out)."""
+def informative_first(pool: list[dict], num_generations: int, size: int, max_rounds: int) -> dict | None:
+    """DAPO dynamic sampling over the generation batches drawn (dicts of tensors gathered from every rank): None
+    while fewer than `size` rows are of groups whose rewards differ and fewer than max_rounds batches are drawn;
+    then the first `size` rows, those of informative groups first (in the order drawn), then the others."""
     keep = [informative_groups(b["rewards"], num_generations).repeat_interleave(num_generations) for b in pool]
+    if sum(int(m.sum()) for m in keep) < size and len(pool) < max_rounds:
+        return None
     return {k: torch.cat([b[k][m] for m, b in zip(keep, pool)] + [b[k][~m] for m, b in zip(keep, pool)])[:size]
             for k in pool[0]}
 
@@ -261,8 +249,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str =
 def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
                      **truncation):
     """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
-    (token_logprobs: logits / temperature, top_k / top_p / min_p `truncation`); entropy=True: also each position's
-    entropy of the whole softmax. Prompts are left-padded to prompt_width; positions count real tokens only."""
+    (logits / temperature, cut by `truncation`); entropy=True: also each position's entropy (no gradient)."""
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
     logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
     return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
@@ -274,25 +261,25 @@ class Rollout:
     input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
     attention_mask: torch.Tensor
     prompt_width: int  # P
-    completion_mask: torch.Tensor  # [B, T] tokens up to and including each completion's stop token
-    finished: torch.Tensor  # [B] the completion stopped by itself
-    loss_mask: torch.Tensor  # [B, T] completion tokens that enter the loss (unscorable ones do not)
+    completion_mask: torch.Tensor  # [B, T] up to and including the stop token
+    finished: torch.Tensor  # [B] stopped by itself
+    loss_mask: torch.Tensor  # [B, T] the tokens in the loss (not an unscorable completion's)
     advantages: torch.Tensor  # [B]
-    num_items: torch.Tensor  # the dapo normaliser (see grpo_loss)
-    old_logps: list  # per micro-batch [b, T], the sampling-time policy's (None when num_iterations == 1)
+    num_items: torch.Tensor  # the dapo normaliser
+    old_logps: list  # per micro-batch [b, T] at sampling time (None when num_iterations == 1)
     ref_logps: list  # per micro-batch [b, T] (None when beta == 0)
-    sampler_logps: torch.Tensor | None  # [B, T] the vLLM sampler's own logprobs; K >= 1: the behaviour policy's
-    rewards: torch.Tensor  # [B] this process's, NaN where unscorable
+    sampler_logps: torch.Tensor | None  # [B, T] vLLM's logprobs; K >= 1: the behaviour policy's
+    rewards: torch.Tensor  # [B] NaN where unscorable
     all_rewards: torch.Tensor  # [global batch]
     per_source: dict  # reward source name -> [B]
     prompts: list
     texts: list
-    draws: int = 1  # generation batches sampled to fill it (dynamic sampling)
-    episodes: dict | None = None  # multi-turn: turns, calls, failures [B] (common/episodes.py)
+    draws: int = 1  # generation batches drawn (dynamic sampling)
+    episodes: dict | None = None  # multi-turn: turns, calls, failures [B]
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_positive(args)  # before anything loads
     check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
@@ -300,20 +287,20 @@ def main(args: Args):
     args.world_size, rank = accelerator.num_processes, accelerator.process_index
     args.tracking.run_name = args.tracking.run_name or f"grpo__{args.seed}__{int(time.time())}"
     # ---- batch sizes: checked before anything loads ----
-    args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.generation_batch_size = local_size * args.world_size
     sizes = (f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
              f"{args.gradient_accumulation_steps} x {args.world_size} processes")
     if args.num_generations < 2 or args.generation_batch_size % args.num_generations:
         raise UserError(f"{sizes} = {args.generation_batch_size} completions per generation batch, which must be a "
                         f"multiple of num_generations {args.num_generations} (>= 2)")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if args.max_staleness:  # the features' checks, before anything loads
         check_staleness(args.max_staleness, accelerator, args)
-    corrected = None  # the sampler-mismatch correction's options (common/sampler_correction.py)
+    corrected = None  # the sampler-mismatch correction's options
     if args.vllm.use_vllm:
-        corrected = check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
-                                     max_staleness=args.max_staleness)
+        corrected = check_correction(args.correction, use_vllm=True, max_staleness=args.max_staleness,
+                                     repetition_penalty=args.sampling.repetition_penalty)
         vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
                                        use_peft=args.model.use_peft)  # vLLM there, the server up
 
@@ -335,9 +322,10 @@ def main(args: Args):
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype)) \
         if args.beta and not args.model.use_peft else None  # beta 0 needs none; LoRA turns adapters off instead
-    truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
+    truncation = args.sampling.truncation()  # the sampling's, and the logprobs'
+    logps_of = functools.partial(completion_logps, temperature=args.temperature, **truncation)
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                    repetition_penalty=args.repetition_penalty, **truncation)
+                    repetition_penalty=args.sampling.repetition_penalty, **truncation)
     loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high, beta=args.beta,
                         importance_sampling_level=args.importance_sampling_level,
                         max_completion_length=args.max_completion_length,
@@ -352,8 +340,7 @@ def main(args: Args):
                           **vllm_options) if args.vllm.use_vllm else None
     checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
                                 run_name=args.tracking.run_name)
-    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
-    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}  # weights, RNGs, step, ...
     args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
     tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
                       total_steps=args.max_steps, start_step=resumed.get("step", 0))
@@ -363,30 +350,26 @@ def main(args: Args):
 
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # episode: completions taken
     start_time, start_episode = time.time(), episode  # eps counts this process's episodes
-    # endless: the global batch's prompts, each G times, then this rank's share (a group may span ranks); on resume
-    # from the data position of the checkpoint (a batch per generation batch requested)
+    # endless: the global batch's prompts, each G times, then this rank's share; on resume from the checkpoint's place
     prompts_iter = prompt_batches(len(rows), args.generation_batch_size // args.num_generations, args.num_generations,
                                   seed=args.seed, rank=rank, local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.generation_batch_size)
     micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
              for m in range(args.gradient_accumulation_steps)]
-    stream = None  # vLLM, multi-turn episodes, batches drawn ahead (K >= 1): common/rollouts.py
+    stream = None  # vLLM, multi-turn episodes, batches drawn ahead
     if sampler or tools or args.max_staleness:
-        stream = RolloutStream(
-            accelerator, rows, prompt_ids, tools, prompts_iter, resumed, batch_size=args.generation_batch_size,
-            seed=args.seed, max_staleness=args.max_staleness, gather=args.model.ds3_gather_for_generation,
-            model_path=args.model_name_or_path, dtype=args.model.torch_dtype, model=model, tokenizer=tokenizer,
-            sampler=sampler, generate=generate, max_prompt_length=args.max_prompt_length,
-            max_calls=e.max_tool_calling_iterations, **sampling,
-            logps=lambda policy, ids, mask, width: torch.cat([completion_logps(  # the behaviour policy's (K >= 1)
-                policy, ids[m], mask[m], width, args.temperature, **truncation) for m in micro]))
+        stream = RolloutStream(accelerator, args, rows, prompt_ids, tools, prompts_iter, resumed, model=model,
+                               tokenizer=tokenizer, sampler=sampler, generate=generate,
+                               batch_size=args.generation_batch_size, **sampling,
+                               logps=lambda policy, ids, mask, width: torch.cat([logps_of(  # the behaviour's (K >= 1)
+                                   policy, ids[m], mask[m], width) for m in micro]))
 
-    # a rollout between two of its num_iterations passes is checkpointed (its sampling policy is gone)
+    # a rollout between two of its num_iterations passes is in a checkpoint (its sampling policy is gone)
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if stream and rollout is None:
             stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
-        pool = []  # dynamic sampling: the generation batches drawn so far, gathered from every rank
+        pool = []  # dynamic sampling: the generation batches drawn, gathered
         while rollout is None:
             # ---- ROLLOUT: num_generations completions per prompt from the current policy ----
             if stream is None:  # one turn with HF generate, a seed per completion from its place in the run
@@ -419,15 +402,14 @@ def main(args: Args):
             batch = dict(indices=torch.tensor(indices), completion_ids=c_ids, completion_mask=c_mask,
                          rewards=rewards, finished=samples.finished.long(), sampler_logps=samples.sampler_logps,
                          per_source=torch.stack(list(per_source.values()), 1), **extra)
-            if args.dynamic_sampling:  # DAPO: draw until generation_batch_size completions (every rank's) are of
-                # groups whose rewards differ (the others' advantages are 0), or max_dynamic_sampling_rounds
+            if args.dynamic_sampling:  # DAPO: more generation batches until the groups whose rewards differ fill one
                 pool.append({k: accelerator.gather(v.to(accelerator.device)) for k, v in batch.items()
                              if v is not None})
-                if informative_rows(pool, args.num_generations) < args.generation_batch_size and \
-                        len(pool) < args.max_dynamic_sampling_rounds:
+                kept = informative_first(pool, args.num_generations, args.generation_batch_size,
+                                         args.max_dynamic_sampling_rounds)
+                if kept is None:
                     continue
-                batch = {k: v.chunk(args.world_size)[rank] for k, v in informative_first(
-                    pool, args.num_generations, args.generation_batch_size).items()}
+                batch = {k: v.chunk(args.world_size)[rank] for k, v in kept.items()}
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
             rewards, finished = batch["rewards"], batch["finished"].bool()
             p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
@@ -435,27 +417,23 @@ def main(args: Args):
             input_ids = torch.cat([p_ids, c_ids], 1)  # multi-turn: tool results are attended to, not trained
             attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
-            # ---- ADVANTAGES: relative to the group, over the global batch; an unscorable completion gets 0
-            # and stays out of the loss (no gradient, not even the KL term's) ----
+            # ---- ADVANTAGES: relative to the group, over the global batch; an unscorable completion: 0, no loss ----
             all_rewards = accelerator.gather(rewards)
             advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
             advantages = advantages[rank * local_size:(rank + 1) * local_size]
             loss_mask = c_mask.float() * ~rewards.isnan()[:, None]
             if args.mask_truncated_completions:
                 loss_mask = loss_mask * finished[:, None]
-            # dapo: the tokens of the global batch; backward() divides by the accumulation steps and DDP
-            # averages over processes, so scaled to one micro-batch
+            # dapo: the global batch's tokens, scaled to one micro-batch (backward() and DDP average over them)
             tokens = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1)
             num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
             with torch.no_grad():
                 old_logps = ref_logps = [None] * len(micro)
                 if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [completion_logps(model, input_ids[s], attention_mask[s], p_ids.shape[1],
-                                                  args.temperature, **truncation) for s in micro]
+                    old_logps = [logps_of(model, input_ids[s], attention_mask[s], p_ids.shape[1]) for s in micro]
                 if args.beta:
                     with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [completion_logps(ref, input_ids[s], attention_mask[s], p_ids.shape[1],
-                                                      args.temperature, **truncation) for s in micro]
+                        ref_logps = [logps_of(ref, input_ids[s], attention_mask[s], p_ids.shape[1]) for s in micro]
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=p_ids.shape[1],
                               completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
                               num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, rewards=rewards,
@@ -469,8 +447,7 @@ def main(args: Args):
         r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
         for m, s in enumerate(micro):
             with accelerator.accumulate(model):
-                logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
-                                                  args.temperature, entropy=True, **truncation)
+                logps, entropy = logps_of(model, r.input_ids[s], r.attention_mask[s], r.prompt_width, entropy=True)
                 old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
                 if r.sampler_logps is not None and corrected:  # (never with K >= 1)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import tyro
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -17,6 +18,24 @@ from common.models import deepspeed_stage
 # the key/value cache's name in model calls and outputs: `cache` since transformers 5.2x renamed it (the old name
 # warns there), `past_key_values` before (the floor, 4.56, knows only that)
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --top_p, not --sampling.top-p
+@dataclass
+class SamplingArgs:
+    """sampling beyond the temperature (common/generation.py); the training logprobs are of the same distribution"""
+    top_p: float = 1.0
+    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
+    top_k: int = 0
+    """top-k sampling (0 disables); training logprobs too, as top_p"""
+    min_p: float = 0.0
+    """min-p sampling (0 disables); training logprobs too, as top_p"""
+    repetition_penalty: float = 1.0
+    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
+
+    def truncation(self) -> dict:
+        """The options of generate and token_logprobs that cut the distribution."""
+        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:

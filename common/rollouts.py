@@ -59,18 +59,20 @@ def check_staleness(k: int, accelerator, args):
 class RolloutStream:
     """next_batch(version) -> (prompt indices, Episodes): the next generation batch of `batches` (this rank's share
     of each global batch of batch_size prompts, in data order), with one seed per completion from its place in the
-    run (the same samples on 1 or N processes), run_episodes(..., **episode_options) of those rows and prompt ids.
+    run (the same samples on 1 or N processes), drawn by `draw` (run_episodes of those rows, with `sampling`).
     K = 0: here and now (common.vllm.sample_with). K >= 1: in the sampler's thread (accelerator None: no other
     process to keep in step), and logps(policy, input_ids, attention_mask, prompt_width) of the HF copy become the
-    episodes' sampler_logps. model_path, dtype: the copy's; gather: --ds3_gather_for_generation."""
+    episodes' sampler_logps. args: grpo's or rloo's (seed, max_staleness, max_prompt_length, the model to copy,
+    its ModelArgs and EpisodeArgs)."""
 
-    def __init__(self, accelerator, rows: list, prompt_ids: list, tools, batches, resumed: dict, *, batch_size: int,
-                 seed: int, max_staleness: int, gather: bool, model_path: str, dtype: str, model, tokenizer, sampler,
-                 generate, logps, **episode_options):
-        self.accelerator, self.batches, self.batch_size, self.seed = accelerator, batches, batch_size, seed
-        self.rows, self.prompt_ids, self.tools, self.episode_options = rows, prompt_ids, tools, episode_options
-        self.k, self.sampler, self.logps, self.generate = max_staleness, sampler, logps, generate
-        self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=gather,
+    def __init__(self, accelerator, args, rows: list, prompt_ids: list, tools, batches, resumed: dict, *,
+                 batch_size: int, model, tokenizer, sampler, generate, logps, **sampling):
+        self.accelerator, self.batches, self.batch_size, self.seed = accelerator, batches, batch_size, args.seed
+        self.rows, self.prompt_ids, self.tools = rows, prompt_ids, tools
+        self.episode_options = dict(max_prompt_length=args.max_prompt_length,
+                                    max_calls=args.episodes.max_tool_calling_iterations, **sampling)
+        self.k, self.sampler, self.logps, self.generate = args.max_staleness, sampler, logps, generate
+        self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.model.ds3_gather_for_generation,
                                   generate=generate)  # K = 0: the script's generate on the policy, or vLLM
         self.requested = resumed.get("requested", resumed.get("episode", 0))  # completions requested, every rank's
         self.pending = deque()  # [a future (finished: its result), the version that draws it], oldest first
@@ -84,19 +86,23 @@ class RolloutStream:
             if sampler is None:  # a full copy on every rank (ZeRO-3 / FSDP2 shard the policy, not this)
                 plugin = accelerator.state.deepspeed_plugin
                 with plugin.zero3_init_context_manager(enable=False) if plugin else contextlib.nullcontext():
-                    self.policy = load_policy(model_path, tokenizer, dtype)
+                    self.policy = load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype)
                 self.policy.eval().to(accelerator.device)
             self.pending.extend([_rebuilt(result), version] for result, version in resumed.get("in_flight", []))
+
+    def draw(self, indices: list, seeds: list, sample, tokenizer, accelerator) -> Episodes:
+        """The episodes of rows `indices` (a test may put another function in its place)."""
+        return run_episodes(sample, tokenizer, [self.rows[i] for i in indices], self.tools, seeds=seeds,
+                            prompt_ids=[self.prompt_ids[i] for i in indices], accelerator=accelerator,
+                            **self.episode_options)
 
     def request(self):
         """The next batch's draw, a function of (sample, tokenizer, accelerator)."""
         indices, local = next(self.batches), self.batch_size // self.accelerator.num_processes
         seeds = [self.seed * 10**9 + self.requested + self.accelerator.process_index * local + j for j in range(local)]
         self.requested += self.batch_size
-        rows, prompt_ids = [self.rows[i] for i in indices], [self.prompt_ids[i] for i in indices]
-        return lambda sample, tokenizer, accelerator: (indices, run_episodes(
-            sample, tokenizer, rows, self.tools, prompt_ids=prompt_ids, seeds=seeds, accelerator=accelerator,
-            **self.episode_options))
+        return lambda sample, tokenizer, accelerator: (indices, self.draw(indices, seeds, sample, tokenizer,
+                                                                          accelerator))
 
     def publish(self, model, version: int):
         """At a version boundary, on every rank (ZeRO-3 / FSDP2 gather each weight: a collective): the policy's

@@ -11,6 +11,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.episodes import EpisodeArgs  # noqa: E402
+from common.models import ModelArgs  # noqa: E402
 from common.rollouts import RolloutStream  # noqa: E402
 
 accelerator = types.SimpleNamespace(num_processes=1, process_index=0, autocast=contextlib.nullcontext)
@@ -25,9 +27,11 @@ def draw(indices, seeds, sample, tokenizer, accelerator):
     return f"batch {indices[0]}"
 
 
-stream = RolloutStream(accelerator, draw, ([i] for i in itertools.count()), {"seed": 1, "max_staleness": 1,
-                       "ds3_gather_for_generation": True}, {}, batch_size=1, model=None, tokenizer=None,
-                       sampler=types.SimpleNamespace(push_weights=lambda model: None), generate=None, logps=None)
+args = types.SimpleNamespace(seed=1, max_staleness=1, max_prompt_length=8, model=ModelArgs(), episodes=EpisodeArgs())
+stream = RolloutStream(accelerator, args, [], [], None, ([i] for i in itertools.count()), {}, batch_size=1, model=None,
+                       tokenizer=None, sampler=types.SimpleNamespace(push_weights=lambda model: None), generate=None,
+                       logps=None)
+stream.draw = draw
 stream.publish(None, 0)
 sys.stdout.write(stream.next_batch(0)[1] + "\n")
 sys.stdout.flush()

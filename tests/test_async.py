@@ -10,14 +10,18 @@ import os
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import Accelerator
 
-from common.rollouts import RolloutStream
-from common.runtime import UserError
-from common.vllm import sampler_options
-from tests.conftest import ROOT, run_script, sampling_logprobs
+from common.episodes import EpisodeArgs
+from common.models import ModelArgs
+from common.rollouts import RolloutStream, check_staleness
+from common.runtime import UserError, flags
+from common.sampler_correction import check_correction
+from tests.conftest import ROOT, run_script, sampling_logprobs, script_args
 from tests.test_multiprocess import TWO_PROCESSES
 from tests.test_sft import read_log
 
@@ -40,6 +44,7 @@ def test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k(
     from algos import grpo
     from common import rollouts
     from common.models import load_policy, load_tokenizer
+    from common.tracking import Tracker
     from tests.first_step import own_logprobs, write_splits
 
     published, drawn, losses = {}, [], []
@@ -51,8 +56,14 @@ def test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k(
 
     def recording_generate(model, tokenizer, prompts, max_new_tokens, seeds, **options):
         out = generate(model, tokenizer, prompts, max_new_tokens, seeds=seeds, **options)
-        drawn.append(dict(weights=snapshot(model), seeds=seeds, out=out))
+        drawn.append(dict(weights=snapshot(model), seeds=seeds, out=out, model=model))
         return out
+
+    trained, tracker_step = [], Tracker.step  # K = 0 (the base path, no stream): the weights after each update
+
+    def recording_step(self, n=1):
+        trained.append(snapshot(drawn[0]["model"]))
+        return tracker_step(self, n)
 
     def recording_loss(logps, old_logps, ref_logps, advantages, mask, token_weights=1.0, **options):
         losses.append(dict(old=old_logps.detach().clone(), weights=token_weights, mask=mask.clone()))
@@ -61,15 +72,18 @@ def test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k(
     monkeypatch.setattr(rollouts.RolloutStream, "publish", recording_publish)
     monkeypatch.setattr(grpo, "generate", recording_generate)
     monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    monkeypatch.setattr(Tracker, "step", recording_step)
     rows = [{"prompt": f"SUBREDDIT: r/test POST: day {i} went {'well' if i % 2 else 'badly'}. TL;DR:"}
             for i in range(8)]
     cap, steps = 1.05, 3
-    args = grpo.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
-                     reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"], beta=0.0, max_steps=steps,
-                     per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=1e-2,
-                     max_staleness=k, async_importance_sampling_cap=cap, output_dir=str(tmp_path / "out"))
+    args = script_args(grpo.Args, model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
+                       reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"], beta=0.0, max_steps=steps,
+                       per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=1e-2,
+                       max_staleness=k, async_importance_sampling_cap=cap, output_dir=str(tmp_path / "out"))
     grpo.main(args)
 
+    if k == 0:  # the weights of version t: those the trainer had after t updates (the first draw: the initial)
+        published = {t: trained[t - 1] if t else drawn[0]["weights"] for t in range(steps)}
     assert sorted(published) == list(range(steps)) and len(drawn) >= steps and len(losses) == steps
     for t in range(steps):
         assert same(drawn[t]["weights"], published[max(t - k, 0)]), f"batch {t} not drawn by version {t - k}"
@@ -116,13 +130,12 @@ def test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken(tiny_mod
     dropped and counted; the next batch in data order comes instead (requested from the newest weights, with its
     own seeds)."""
     server = StandInServer()
-    stream = RolloutStream(
-        Accelerator(cpu=True), lambda indices, seeds, sample, tokenizer, accelerator: sample([[1]] * len(seeds), seeds),
-        iter([[5, 6], [7, 8], [9, 10]]),
-        dict(seed=1, max_staleness=1, ds3_gather_for_generation=True, model_name_or_path=tiny_model,
-             torch_dtype="float32"),
-        {"requested": 4, "in_flight": [(([3, 4], ["old"]), 1)]}, batch_size=2, model=None, tokenizer=tokenizer,
-        sampler=server, generate=None, logps=None)
+    args = SimpleNamespace(seed=1, max_staleness=1, max_prompt_length=8, model_name_or_path=tiny_model,
+                           model=ModelArgs(torch_dtype="float32"), episodes=EpisodeArgs())
+    stream = RolloutStream(Accelerator(cpu=True), args, [], [], None, iter([[5, 6], [7, 8], [9, 10]]),
+                           {"requested": 4, "in_flight": [(([3, 4], ["old"]), 1)]}, batch_size=2, model=None,
+                           tokenizer=tokenizer, sampler=server, generate=None, logps=None)
+    stream.draw = lambda indices, seeds, sample, tokenizer, accelerator: sample([[1]] * len(seeds), seeds)
     stream.publish(None, 3)
     assert server.pushes == 1
     indices, seeds = stream.next_batch(3)
@@ -138,10 +151,11 @@ def test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken(tiny_mod
     (dict(max_staleness=1, environment_factory="tests.toy_tools:Calculator"), "environments of batches in flight"),
     (dict(max_staleness=-1), "must be >= 0")])
 def test_what_cannot_run_asynchronously_is_one_error(options, message):
-    args = dict(seed=1, torch_dtype="auto", use_peft=False, use_vllm=False, vllm_mode="colocate",
-                vllm_importance_sampling_cap=None, repetition_penalty=1.0) | options
+    from algos import grpo
+    args = script_args(grpo.Args, **options)
     with pytest.raises(UserError, match=message):
-        sampler_options(args, Accelerator(cpu=True))
+        check_correction(args.correction, use_vllm=args.vllm.use_vllm, max_staleness=args.max_staleness)
+        check_staleness(args.max_staleness, Accelerator(cpu=True), args)
 
 
 GRPO = ("grpo", ["--per_device_train_batch_size", "4", "--num_generations", "4", "--dynamic_sampling",
@@ -230,7 +244,8 @@ def k1_run(name: str, tmp_path, tiny_model) -> dict:
                   chat_template_path=str(template), max_completion_length=300, per_device_train_batch_size=4,
                   learning_rate=2e-3, max_steps=2, max_prompt_length=24, logging_steps=1, max_staleness=1,
                   async_importance_sampling_cap=CAP, output_dir=str(tmp_path / "out"), **SAMPLING[name])
-    args = module.Args(**common, **(dict(beta=0.0, num_generations=4) if name == "grpo" else dict(num_ppo_epochs=1)))
+    args = script_args(module.Args, **common,
+                       **(dict(beta=0.0, num_generations=4) if name == "grpo" else dict(num_ppo_epochs=1)))
     tokenizer = load_tokenizer(tiny_model, chat_template_path=str(template))
     sample, _ = scripted(tokenizer, [TURNS[j % 3] for j in range(3 * 4)])  # 3 batches: 2 trained, 1 drawn ahead
     steps, drawn, clip, draw = [], [], Accelerator.clip_grad_norm_, rollouts.RolloutStream._draw
@@ -304,7 +319,7 @@ def test_k1_behaviour_logps_are_the_sampling_distributions_of_the_weights_that_d
     differ at temperature 1, without the truncation and with the other version's weights, so each is checked."""
     from tests.first_step import policy_with, weights_of
 
-    args, truncation = k1["args"], dict(top_k=k1["args"].top_k, top_p=k1["args"].top_p, min_p=k1["args"].min_p)
+    args, truncation = k1["args"], {k: flags(k1["args"])[k] for k in ("top_k", "top_p", "min_p")}
     policies = [policy_with(tiny_model, k1["tokenizer"], weights_of(step)) for step in k1["steps"]]
     gaps = torch.zeros(3)
     for batch in k1["drawn"]:
@@ -338,7 +353,7 @@ def test_k1_step_gradient_is_the_loss_written_out_with_the_capped_staleness_weig
 
     from tests.first_step import assert_gradient, gradient, grads_of, policy_with, weights_of
 
-    args, truncation = k1["args"], dict(top_k=k1["args"].top_k, top_p=k1["args"].top_p, min_p=k1["args"].min_p)
+    args, truncation = k1["args"], {k: flags(k1["args"])[k] for k in ("top_k", "top_p", "min_p")}
     behaviour = policy_with(tiny_model, k1["tokenizer"], weights_of(k1["steps"][0]))
     rloo, k = hasattr(args, "rloo_k"), getattr(args, "rloo_k", getattr(args, "num_generations", 0))
     for t, step in enumerate(k1["steps"]):

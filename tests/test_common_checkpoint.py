@@ -190,9 +190,10 @@ def test_tr_dpo_reference_is_part_of_the_checkpoint(tmp_path, sft_model):
     from algos import dpo
 
     def args(out, **kw):
-        return dpo.Args(model_name_or_path=sft_model, max_steps=4, per_device_train_batch_size=4, dataset_test_split="",
-                        sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
-                        learning_rate=1e-3, logging_steps=1, run_name="r", output_dir=str(out), **kw)
+        return script_args(dpo.Args, model_name_or_path=sft_model, max_steps=4, per_device_train_batch_size=4,
+                           dataset_test_split="", sync_ref_model=True, ref_model_sync_steps=1,
+                           ref_model_mixup_alpha=0.5, learning_rate=1e-3, logging_steps=1, run_name="r",
+                           output_dir=str(out), **kw)
     dpo.main(args(tmp_path / "full", save_steps=2))
     os.makedirs(tmp_path / "cut" / "logs")
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_2", tmp_path / "cut" / "checkpoints" / "step_2")

@@ -10,6 +10,7 @@ import torch
 from common.generation import generate, shifted_logits, token_logprobs
 from common.models import load_policy, load_reward_model, load_tokenizer
 from common.rewards import score_with_model
+from tests.conftest import script_args
 
 PROMPTS = ["TITLE: a\n\nTL;DR:", "TITLE: my cat ate the whole cake and\n\nTL;DR:", "TITLE: b c\n\nTL;DR:"] * 4
 
@@ -96,6 +97,6 @@ def test_every_script_trains_with_the_tokenizer_as_shipped(tmp_path, pad_is_eos_
         kw["reward_model_path"] = rm
     if script == "gkd":  # student and teacher alike: the loss is 0, the pass runs with pad == eos on both
         kw["teacher_model_name_or_path"] = policy
-    module.main(module.Args(**kw))
+    module.main(script_args(module.Args, **kw))
     record = read_log(tmp_path / "out")[0]
     assert record["step"] == 1 and all(math.isfinite(v) for v in record.values())

@@ -17,7 +17,7 @@ from common import vllm as common_vllm
 from common.runtime import UserError
 from common.vllm import VLLMSampler, _hf_parameters, full_parameters, sample_with, wait_for_server
 from tests import stand_in_vllm
-from tests.conftest import run_script, sampling_logprobs, vllm_options
+from tests.conftest import run_script, sampling_logprobs, vllm_options, script_args
 from tests.stand_in_vllm import TP_BUDGET, TP_EPISODES, TP_SAMPLING, FakeLLM, Server, chat_tokenizer, scripted
 from tests.test_sft import read_log
 
@@ -306,8 +306,8 @@ def test_truncated_sampling_leaves_the_sampler_ratio_at_one(fake_vllm, monkeypat
     monkeypatch.setattr(fake_vllm, "LLM", SamplingLLM)
     module, group = (grpo, dict(num_generations=4)) if script == "grpo" else (rloo, dict(rloo_k=4))
     out = str(tmp_path / script)
-    module.main(module.Args(model_name_or_path=tiny_model, use_vllm=True, output_dir=out, **group, **ONLINE,
-                            **truncation))
+    module.main(script_args(module.Args, model_name_or_path=tiny_model, use_vllm=True, output_dir=out, **group,
+                            **ONLINE, **truncation))
     logs = read_log(out)
     assert len(logs) == 2 and SamplingLLM.last.params[0].top_k == truncation.get("top_k", -1)
     for log in logs:
@@ -341,7 +341,8 @@ def test_the_same_sampling_settings_reach_hf_generate_and_vllm(fake_vllm, monkey
     common = dict(model_name_or_path=tiny_model, **{**ONLINE, "max_steps": 1, "vllm_importance_sampling_cap": None},
                   **flags)
     for path, use_vllm in (("hf", False), ("vllm", True)):
-        grpo.main(grpo.Args(output_dir=str(tmp_path / path), use_vllm=use_vllm, num_generations=4, **common))
+        grpo.main(script_args(grpo.Args, output_dir=str(tmp_path / path), use_vllm=use_vllm, num_generations=4,
+                              **common))
     engine = vars(FakeLLM.last.params[0])
     assert {k: hf[k] for k in flags} == {k: engine[k] for k in flags} == flags
 
@@ -461,8 +462,8 @@ def test_a_server_without_processed_logprobs_is_refused_before_any_model_loads(s
         raise AssertionError("a tokenizer loaded before the server was checked")
     monkeypatch.setattr(grpo, "load_tokenizer", loaded)
     with Server(logprobs_mode=mode) as server, pytest.raises(UserError) as refused:
-        grpo.main(grpo.Args(model_name_or_path=tiny_model, output_dir=str(tmp_path), use_vllm=True, num_generations=4,
-                            vllm_mode="server", vllm_server_port=server.port, vllm_server_timeout=5,
+        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, output_dir=str(tmp_path), use_vllm=True,
+                            num_generations=4, vllm_mode="server", vllm_server_port=server.port, vllm_server_timeout=5,
                             **{**ONLINE, "vllm_importance_sampling_cap": None}))
     message = str(refused.value)
     said = f"reports logprobs_mode {mode};" if mode else "does not report its logprobs_mode at /server_info;"
@@ -508,8 +509,8 @@ def test_grpo_dynamic_sampling_pushes_to_the_server_once_per_rollout(served, tmp
 
     out = str(tmp_path / "grpo")
     with Server(complete=lambda prompt, seed: [20, 21, 22]) as server:
-        grpo.main(grpo.Args(model_name_or_path=tiny_model, output_dir=out, use_vllm=True, num_generations=4,
-                            vllm_mode="server", vllm_server_port=server.port, dynamic_sampling=True,
+        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, output_dir=out, use_vllm=True,
+                            num_generations=4, vllm_mode="server", vllm_server_port=server.port, dynamic_sampling=True,
                             max_dynamic_sampling_rounds=3,
                             **{**ONLINE, "max_steps": 3, "vllm_importance_sampling_cap": None}))
     assert [log["dynamic_sampling/rounds"] for log in read_log(out)] == [3, 3, 3]

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.models import disable_dropout
 from tests.test_sft import read_log
+from tests.conftest import script_args
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,8 @@ def test_two_passes_in_train_mode_agree_after_disable_dropout(dropout_model):
 def first_ratio(script, out, **kw):
     """val/ratio of one rollout with one update over all of it: the first pass's ratio."""
     module = importlib.import_module(f"algos.{script}")
-    module.main(module.Args(use_peft=True, reward_funcs=["tests.toy_rewards:short"], max_steps=1, num_ppo_epochs=1,
-                            per_device_train_batch_size=4, output_dir=str(out), **kw))
+    module.main(script_args(module.Args, use_peft=True, reward_funcs=["tests.toy_rewards:short"], max_steps=1,
+                            num_ppo_epochs=1, per_device_train_batch_size=4, output_dir=str(out), **kw))
     return read_log(out)[0]["val/ratio"]
 
 

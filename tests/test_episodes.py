@@ -9,7 +9,7 @@ import torch
 from common.episodes import call_tool, load_tools, parse_tool_calls, run_episodes
 from common.generation import Samples, pad
 from common.runtime import UserError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, script_args
 
 
 @pytest.fixture()
@@ -321,7 +321,7 @@ def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):
     template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
         "<|im_end|>", "<|endoftext|>"))
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
-    args = module.Args(model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
+    args = script_args(module.Args, model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
                        reward_model_paths=[], environment_factory="tests.toy_tools:Calculator",
                        chat_template_path=str(template), max_completion_length=300,
                        output_dir=str(tmp_path / "out"), **options)

@@ -1,16 +1,17 @@
-"""The vLLM sampler-mismatch corrections (`importance_weights` in common/vllm.py, which grpo.py, rloo.py and ppo.py
-call): token_truncate (TIS), token_mask (IcePop), sequence_mask
+"""The vLLM sampler-mismatch corrections (`importance_weights` in common/sampler_correction.py, which grpo.py, rloo.py
+and ppo.py call): token_truncate (TIS), token_mask (IcePop), sequence_mask
 (MIS, by the geometric-mean ratio), against ratios worked out by hand. The end-to-end run with a real
 vLLM engine is in tests/test_vllm.py."""
 
-import dataclasses
+
 import math
 
 import pytest
 import torch
 
 from algos import grpo, online_dpo, ppo, rloo
-from common.vllm import importance_weights
+from common.runtime import flags
+from common.sampler_correction import importance_weights
 
 LN2 = math.log(2.0)
 # three completions, ratios pi_train / pi_vllm as powers of 2 (exponents below); 0: padding
@@ -106,7 +107,7 @@ def test_an_unknown_mode_fails():
 @SCRIPTS
 def test_the_flags_default_to_no_correction(script):
     """Nothing changes unless a cap is given; the mode and lower bound then default to TIS as before."""
-    fields = {f.name: f.default for f in dataclasses.fields(script.Args)}
+    fields = flags(script.Args())
     assert fields["vllm_importance_sampling_cap"] is None
     assert fields["vllm_importance_sampling_mode"] == "token_truncate"
     assert fields["vllm_importance_sampling_clip_min"] == 0.0
@@ -114,4 +115,4 @@ def test_the_flags_default_to_no_correction(script):
 
 def test_online_dpo_has_no_correction_flags():
     """Its DPO loss is not importance-weighted (docs/scaling.md): a flag that did nothing would mislead."""
-    assert not [f.name for f in dataclasses.fields(online_dpo.Args) if f.name.startswith("vllm_importance")]
+    assert not [name for name in flags(online_dpo.Args()) if name.startswith("vllm_importance")]
