@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
                          prompt_batches)
-from common.generation import generate, shifted_logits, token_entropy_no_grad, token_logprobs, unwrapped_for_generation
+from common.generation import (SamplingArgs, generate, shifted_logits, token_entropy_no_grad, token_logprobs,
+                               unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
 from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
@@ -50,6 +51,7 @@ from common.runtime import (UserError, check_output_dir, check_positive, exit_on
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given
 from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
+from common.resume import resume  # --resume_from_checkpoint
 from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
 from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights  # --vllm_importance_*
 from common.vllm import VLLMArgs, VLLMSampler, sampler_options  # --use_vllm
@@ -114,14 +116,6 @@ class Args:
     """tokens sampled per completion"""
     temperature: float = 1.0
     """sampling temperature; training logprobs use the same one"""
-    top_p: float = 1.0
-    """nucleus sampling; training logprobs are of the truncated, renormalised distribution too"""
-    top_k: int = 0
-    """top-k sampling (0 disables); training logprobs too, as top_p"""
-    min_p: float = 0.0
-    """min-p sampling (0 disables); training logprobs too, as top_p"""
-    repetition_penalty: float = 1.0
-    """HF repetition penalty (1 disables); training logprobs leave it out (refused with the sampler correction)"""
 
     # optimization
     learning_rate: float = 3e-5
@@ -152,6 +146,7 @@ class Args:
     """completions shown in the samples table every eval_steps"""
 
     # shared groups, their flags unprefixed; each defined where read: common/models.py, episodes.py, vllm.py, ...
+    sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
@@ -264,8 +259,8 @@ def main(args: Args):
         check_staleness(args.max_staleness, accelerator, args)
     corrected = None  # the sampler-mismatch correction's options (common/sampler_correction.py)
     if args.vllm.use_vllm:
-        corrected = check_correction(args.correction, use_vllm=True, repetition_penalty=args.repetition_penalty,
-                                     max_staleness=args.max_staleness)
+        corrected = check_correction(args.correction, use_vllm=True, max_staleness=args.max_staleness,
+                                     repetition_penalty=args.sampling.repetition_penalty)
         vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
                                        use_peft=args.model.use_peft)  # vLLM there, the server up
 
@@ -286,9 +281,9 @@ def main(args: Args):
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = None if args.model.use_peft else prepare_frozen(  # frozen, never wrapped; LoRA turns adapters off
         accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
-    truncation = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)  # the sampling's, and the logprobs'
+    truncation = args.sampling.truncation()  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                    repetition_penalty=args.repetition_penalty, **truncation)
+                    repetition_penalty=args.sampling.repetition_penalty, **truncation)
     logps_options = dict(batch_size=per_device, temperature=args.temperature, **truncation)
     loss_options = dict(cliprange=args.cliprange, loss_type=args.loss_type,
                         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
@@ -300,16 +295,13 @@ def main(args: Args):
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
     sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
                           **vllm_options) if args.vllm.use_vllm else None
-    c = args.checkpoint
-    checkpointer = Checkpointer(accelerator, scheduler, output_dir=args.output_dir, run_name=args.tracking.run_name,
-                                resume_from=c.resume_from_checkpoint, save_steps=c.save_steps,
-                                save_total_limit=c.save_total_limit, skip_nonfinite_steps=c.skip_nonfinite_steps)
-    resumed = checkpointer.resume()  # {} unless --resume_from_checkpoint: weights, optimizer, RNGs, step
-    t = args.tracking
-    t.run_name = resumed.get("run_name", t.run_name)  # a resumed run logs on in its own JSONL
-    tracker = Tracker(accelerator, output_dir=args.output_dir, run_name=t.run_name, config=flags(args),
-                      logging_steps=t.logging_steps, total_steps=args.max_steps, start_step=resumed.get("step", 0),
-                      wandb_project=t.wandb_project_name if t.track else None, wandb_entity=t.wandb_entity)
+    checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
+                                run_name=args.tracking.run_name)
+    # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
+                      total_steps=args.max_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} rollouts of {n_prompts} prompts x {args.rloo_k} "
                       f"completions, {args.num_ppo_epochs} epochs x {args.num_mini_batches} mini-batches each; "
                       "rewards: " + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
@@ -324,13 +316,10 @@ def main(args: Args):
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
     stream = None  # vLLM, multi-turn episodes, rollouts drawn ahead (K >= 1): common/rollouts.py
     if sampler or tools or args.max_staleness:
-        stream = RolloutStream(
-            accelerator, rows, prompt_ids, tools, prompts_iter, resumed, batch_size=args.rollout_batch_size,
-            seed=args.seed, max_staleness=args.max_staleness, gather=args.model.ds3_gather_for_generation,
-            model_path=args.model_name_or_path, dtype=args.model.torch_dtype, model=model, tokenizer=tokenizer,
-            sampler=sampler, generate=generate, max_prompt_length=args.max_prompt_length,
-            max_calls=e.max_tool_calling_iterations, logps=functools.partial(rollout_logps, **logps_options),
-            **sampling)
+        stream = RolloutStream(accelerator, args, rows, prompt_ids, tools, prompts_iter, resumed, model=model,
+                               tokenizer=tokenizer, sampler=sampler, generate=generate,
+                               batch_size=args.rollout_batch_size, **sampling,
+                               logps=functools.partial(rollout_logps, **logps_options))  # the behaviour's (K >= 1)
 
     for step in range(resumed.get("step", 0) + 1, args.max_steps + 1):
         # ---- ROLLOUT: rloo_k completions per prompt from the current policy ----

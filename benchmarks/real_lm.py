@@ -117,7 +117,7 @@ class Args:
     learning_rates: dict[str, float] = field(default_factory=lambda: {
         "sft": 2e-5, "reward": 1e-5, "dpo": 2e-5, "kto": 2e-5, "online_dpo": 2e-5, "rloo": 2e-5, "grpo": 2e-5,
         "ppo": 3e-5, "gkd": 2e-5, "rloo_exact": 2e-5, "grpo_exact": 1e-5})
-    """peak learning rates of each stage: README "Real models" for sft and reward; 2e-5 for the others, whose
+    """peak learning rates of each stage: docs/usage.md "Real models" for sft and reward; 2e-5 for the others, whose
     published rates are for thousands of steps, not tens (at 5e-6, dpo, kto and online_dpo moved the policy
     0.02-0.04 nats a token in 15-20 steps, as ppo did at 1e-5, and ended inside the start model's interval in one
     seed of two or both: docs/benchmarks.md); ppo, whose value head starts from the reward model, 3e-5; grpo on

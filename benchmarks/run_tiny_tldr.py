@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import tyro
 
 from benchmarks import tiny_tldr
+from benchmarks.vs_trl import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,7 +360,8 @@ def report(args: Args, run_dirs: dict, run_name, seconds: dict, base_seconds: fl
                         *(a for a in sys.argv[1:] if a != "--report_only")])
     header = (
         f"Tiny TL;DR, produced {datetime.date.today()} by `{command}` (seed{'s' if several else ''} "
-        f"{', '.join(map(str, args.seeds))}) on {os.cpu_count()} CPU cores ({platform.machine()}), {args.jobs} stages "
+        f"{', '.join(map(str, args.seeds))}) on {os.cpu_count()} CPU cores ({platform.machine()}, {machine()['cpu']}; "
+        f"the digits hold on that CPU model and thread count only), {args.jobs} stages "
         f"at a time with {args.threads} torch thread{'s' if args.threads > 1 else ''} each"
         + (f"; QUICK MODE (--max_steps {args.max_steps}): the numbers only show that the job runs"
            if args.max_steps > 0 else "") + ".\n\n"

@@ -137,7 +137,7 @@ def write_splits(path, rows) -> str:
 
 def encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
     """A plain-text row's tokens: the prompt as the tokenizer encodes it, the completion without special
-    tokens and then one EOS (README "Real models": each completion ends in exactly one EOS)."""
+    tokens and then one EOS (docs/usage.md "Tokens": each completion ends in exactly one EOS)."""
     return (tokenizer(prompt).input_ids,
             tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
 

@@ -56,6 +56,8 @@ GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
 # (file, text, replacement, the bug in words, tests that must fail). `text` occurs exactly once in `file`.
 ONLINE_DPO_BATCHES = (
     "tests/test_online_dpo.py::test_each_process_takes_every_world_size_th_prompt_of_the_same_shuffled_global_batch")
+RLOO_BASE = (
+    "tests/test_rloo.py::test_the_base_path_seeds_each_completion_by_its_place_and_scores_conversations_as_messages")
 MUTATIONS = [
     ("algos/grpo.py", "logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)",
      "logps = token_logprobs(logits, input_ids[:, prompt_width:], **truncation)",
@@ -182,8 +184,8 @@ MUTATIONS = [
      "grpo: sampling-time logprobs not detached at num_iterations 1 (the policy gradient vanishes)", [GRPO_STEP]),
     ("algos/grpo.py", "loss_mask = c_mask.float() * ~rewards.isnan()[:, None]", "loss_mask = c_mask.float()",
      "grpo: unscored completions back in the loss (their KL term, their tokens in the count)", [GRPO_STEP]),
-    ("algos/grpo.py", "ref_logps = [completion_logps(ref, input_ids[s]",
-     "ref_logps = [completion_logps(model, input_ids[s]",
+    ("algos/grpo.py", "ref_logps = [logps_of(ref, input_ids[s]",
+     "ref_logps = [logps_of(model, input_ids[s]",
      "grpo: reference logprobs from the policy (the KL term vanishes)", [GRPO_STEP]),
     ("algos/ppo.py", "old_logps * mask, ref_logps * mask, old_values * mask",
      "old_logps * mask, ref_logps * mask, old_values",
@@ -224,8 +226,8 @@ MUTATIONS = [
     ("algos/grpo.py", "attention_mask = torch.cat([p_mask, batch.get(\"episode_mask\", c_mask)], 1)",
      "attention_mask = torch.cat([p_mask, c_mask], 1)", "grpo: tool results hidden from the policy's forward",
      ["tests/test_episodes.py::test_grpo_first_step_trains_the_models_tokens_of_each_episode_only"]),
-    ("algos/rloo.py", "samples.completion_ids, samples.model_mask, samples.finished",
-     "samples.completion_ids, samples.completion_mask, samples.finished",
+    ("algos/rloo.py", "episodes.samples, episodes.columns, episodes.samples.model_mask",
+     "episodes.samples, episodes.columns, episodes.samples.completion_mask",
      "rloo: tool results in the loss, the KL penalty and the token count",
      ["tests/test_episodes.py::test_rloo_first_step_trains_the_models_tokens_of_each_episode_only"]),
     # asynchronous rollouts (issue 41)
@@ -364,8 +366,7 @@ MUTATIONS = [
      [ASYNC_STEP + "[rloo]"]),
     ("algos/rloo.py", "is_weights = stale.clamp(max=args.async_importance_sampling_cap)", "is_weights = stale",
      "rloo: the staleness weight not capped", [ASYNC_STEP + "[rloo]"]),
-    ("algos/rloo.py", "old_logps=old_logps, advantages=advantages, is_weights=is_weights)",
-     "old_logps=sampler_logps, advantages=advantages, is_weights=is_weights)",
+    ("algos/rloo.py", "m, old = all_mask[idx], old_logps[idx]", "m, old = all_mask[idx], sampler_logps[idx]",
      "rloo at K = 1: the ratio clipped against pi_behaviour, not pi_old", [ASYNC_STEP + "[rloo]"]),
     ("common/rollouts.py", 'super().__init__(name="sampler", daemon=True)', 'super().__init__(name="sampler")',
      "async: a failed run waits for the sampler's thread (for ever with a hung tool)",
@@ -409,6 +410,20 @@ MUTATIONS = [
     ("algos/online_dpo.py", "yield order[start:start + per_step][rank::world_size]",
      "yield order[start:start + per_step][rank * world_size:]", "online_dpo: rank's share is a tail",
      [ONLINE_DPO_BATCHES]),
+    ("algos/rloo.py", "seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]",
+     "seeds = [args.seed * 10**9 + rank * local_size + j for j in range(local_size)]",
+     "rloo: every rollout sampled with the same seeds", [RLOO_BASE]),
+    ("algos/rloo.py", '[{"role": "assistant", "content": text}] if is_conversational(p) else text', "text",
+     "rloo: conversational completions given to reward functions as strings", [RLOO_BASE]),
+    ("algos/rloo.py", 'columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns',
+     "columns = dict(columns)", "rloo: the data's other columns not passed to reward functions", [RLOO_BASE]),
+    ("algos/rloo.py", "if sampler or tools or args.max_staleness:", "if sampler or tools:",
+     "rloo: --max_staleness alone ignored (sampled in turn)",
+     ["tests/test_rloo.py::test_max_staleness_alone_draws_each_rollout_ahead"]),
+    ("algos/rloo.py", "completions = episodes.completions if tools else [", "completions = [",
+     "rloo: multi-turn episodes scored as their text only", [ASYNC_STEP + "[rloo]"]),
+    ("algos/rloo.py", "if corrected:  #", "if False:  #", "rloo: the vLLM sampler correction never applied",
+     ["tests/test_common_vllm.py::test_truncated_sampling_leaves_the_sampler_ratio_at_one[rloo-top_k]"]),
 ]
 
 
