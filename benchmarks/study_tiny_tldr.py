@@ -48,6 +48,7 @@ from benchmarks import plots, tiny_tldr
 from benchmarks.run_tiny_tldr import (GOLD_KEY, POLICIES, RECIPE, ROOT, SAMPLES_PER_STEP, STAGES, TEACHER, Args,
                                       chain_stages, evaluate_stage, fifths, read_eval, read_log, report, run_stages,
                                       stage_argv, start_progress)
+from common.runtime import flags
 
 METHODS = POLICIES[1:]
 # each method's KL strength: the flag, read from the script's own default
@@ -90,7 +91,7 @@ def default_value(method: str, flag: str) -> float:
     """The benchmark's value of a method's flag: RECIPE's, else the script's own default."""
     if flag in RECIPE.get(method, {}):
         return RECIPE[method][flag]
-    value = getattr(importlib.import_module(f"algos.{method}").Args(), flag)
+    value = flags(importlib.import_module(f"algos.{method}").Args())[flag]
     return value[0] if isinstance(value, list) else value  # online DPO: a beta per epoch
 
 

@@ -51,6 +51,7 @@ from typing import Literal
 import tyro
 
 from benchmarks import tiny_tldr
+from common.runtime import flags
 from benchmarks.throughput import ALGOS, NO_EVAL, ROOT, StopRun, build, format_table, shell
 
 TRL_VERSION = "1.16.0"  # pinned in pyproject.toml's `bench` extra
@@ -171,10 +172,7 @@ class Args:
 
 def script_defaults(script: str) -> dict:
     """The defaults of algos/<script>.py's Args, by field name."""
-    module = importlib.import_module(f"algos.{script}")
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(module.Args)
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    return flags(importlib.import_module(f"algos.{script}").Args())  # the groups' flags too
 
 
 def settings_for(script: str, model: str) -> dict:

@@ -27,7 +27,6 @@ import torch
 from safetensors.torch import load_file
 
 from algos import sft
-from common import checkpoint
 from common.checkpoint import CheckpointArgs, Checkpointer
 from common import resume as resuming
 from common.resume import unsafe_metadata
@@ -264,7 +263,7 @@ def on_two_machines(tmp_path, monkeypatch, shared, work, **kw):
     """`work(checkpointer, rank)` on each of the 4 stand-in ranks (a Checkpointer of output_dir <tmp>/shared,
     or <tmp>/machine<m> without a shared file system); per rank what it returned or raised."""
     barrier, board, this = threading.Barrier(4, timeout=20), {}, threading.local()
-    monkeypatch.setattr(checkpoint, "gather_object", lambda items: this.rank.gather_object(items))
+    monkeypatch.setattr(resuming, "gather_object", lambda items: this.rank.gather_object(items))
     # resume() sets these around its loads in each thread: so that the last to restore them restores these
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")

@@ -5,11 +5,14 @@ import json
 import math
 import os
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import tyro
 
 from benchmarks import vs_trl
+from common.runtime import flags
 
 
 def write_clock(path, times, repeat=()):
@@ -55,7 +58,8 @@ def test_both_sides_get_the_same_numbers(model, script):
 
     module = importlib.import_module(f"algos.{script}")
     settings, steps = vs_trl.settings_for(script, model), 5
-    ours = tyro.cli(module.Args, args=vs_trl.our_argv(script, settings, steps, "m", "d.jsonl", "out"))
+    ours = SimpleNamespace(**flags(tyro.cli(module.Args, args=vs_trl.our_argv(script, settings, steps, "m", "d.jsonl",
+                                                                                "out"))))  # groups' flags too
     trl = vs_trl.trl_config(settings, script, steps)
     updates = vs_trl.updates_per_step(script, settings)
     assert trl["max_steps"] == steps * updates
