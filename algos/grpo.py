@@ -313,9 +313,10 @@ def main(args: Args):
     check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
                                f"{sizes} / num_generations {args.num_generations}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    e = args.episodes  # multi-turn episodes: common/episodes.py
-    tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, args.dynamic_sampling,
-                       e.tool_timeout) if e.tools or e.environment_factory else None
+    e, tools = args.episodes, None
+    if e.tools or e.environment_factory:  # multi-turn episodes
+        tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, args.dynamic_sampling,
+                           e.tool_timeout)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
                   gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
                   no_dropout=args.disable_dropout)
@@ -336,8 +337,10 @@ def main(args: Args):
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
                              args.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
-    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
-                          **vllm_options) if args.vllm.use_vllm else None
+    sampler = None
+    if args.vllm.use_vllm:
+        sampler = VLLMSampler(accelerator, args.model_name_or_path,
+                              args.max_prompt_length + args.max_completion_length, **vllm_options)
     checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
                                 run_name=args.tracking.run_name)
     resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}  # weights, RNGs, step, ...

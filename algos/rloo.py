@@ -272,9 +272,9 @@ def main(args: Args):
     rows = list(dataset)
     check_prompts_fill_a_batch(len(rows), n_prompts, f"{sizes} / rloo_k {args.rloo_k}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    e = args.episodes
-    tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, timeout=e.tool_timeout) \
-        if e.tools or e.environment_factory else None  # multi-turn episodes
+    e, tools = args.episodes, None
+    if e.tools or e.environment_factory:  # multi-turn episodes
+        tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, timeout=e.tool_timeout)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
                   gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
                   no_dropout=args.disable_dropout)
@@ -293,8 +293,10 @@ def main(args: Args):
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
-    sampler = VLLMSampler(accelerator, args.model_name_or_path, args.max_prompt_length + args.max_completion_length,
-                          **vllm_options) if args.vllm.use_vllm else None
+    sampler = None
+    if args.vllm.use_vllm:
+        sampler = VLLMSampler(accelerator, args.model_name_or_path,
+                              args.max_prompt_length + args.max_completion_length, **vllm_options)
     checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
                                 run_name=args.tracking.run_name)
     # --resume_from_checkpoint: weights, optimizer, RNGs, step and the loop's state (common/resume.py)
