@@ -164,6 +164,7 @@ def test_missing_eos_penalty_and_reward_metrics(tmp_path, sft_model):
             "clip_ratio/high_mean", "clip_ratio/region_mean", "lr", "episode", "eps"} <= set(log[0])
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_grpo_learns_a_toy_reward_with_a_reward_model_beside_it(tmp_path, sft_model, rm_model):
     out = str(tmp_path / "grpo")
     proc = run_script("algos/grpo.py", "--model_name_or_path", sft_model, "--reward_model_paths", rm_model,
