@@ -51,7 +51,7 @@ from common.generation import decodes_here, generate, pad, shifted_logits, token
 from common.models import (ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_policy, load_tokenizer,
                            prepare_frozen, reference)
 from common.resume import resume  # --resume_from_checkpoint
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs
 
@@ -299,8 +299,7 @@ def main(args: Args):
     if args.sync_ref_model and args.model.use_peft:
         raise UserError("--sync_ref_model mixes the policy into a separate reference; with --use_peft the reference "
                         "is the base model itself (adapters off), so drop one of the two")
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)

@@ -53,7 +53,7 @@ from common.data import check_columns, check_prompts_fill_a_batch, encode_comple
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
 from common.resume import resume  # --resume_from_checkpoint
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 from common.vllm import VLLMArgs, VLLMSampler, sampler_options
@@ -257,8 +257,7 @@ def pad_micro_batch(tokenizer, batch, prompt_ids, student_ids: dict, rows, max_n
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     if not 0 <= args.lmbda <= 1 or not 0 <= args.beta <= 1:
         raise UserError(f"--lmbda {args.lmbda} and --beta {args.beta} must lie in [0, 1]")
     if args.loss_type == "token_reward" and (args.lmbda != 1 or args.temperature != 1 or args.vllm.use_vllm):

@@ -1,18 +1,18 @@
-"""Group Relative Policy Optimization (GRPO, Shao et al. 2024, "DeepSeekMath"): G completions per prompt, scored,
-the reward relative to the group the advantage of every token (no critic):
+"""Group Relative Policy Optimization (GRPO, Shao et al. 2024, "DeepSeekMath"): G completions per prompt, scored;
+a completion's reward relative to its group's is the advantage of each of its tokens (no critic):
 
     A_i = (r_i - mean(r_group)) / std(r_group)                        (--scale_rewards group)
     loss = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_t
     cispo: -sg(min(ratio_t, 1 + eps_high)) * A_i * log pi(o_t) replaces -min(...)           (MiniMax-M1, 2025)
     sapo:  -4 / tau * sigmoid(tau * (ratio_t - 1)) * A_i, tau = tau_pos if A_i > 0 else tau_neg   (Gao et al. 2025)
 
-with ratio_t = pi(o_t) / pi_old(o_t) and KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi.
-A completion no reward source scores (None / NaN: unknown, not 0) is left out of its group's mean and std and the loss.
-Variants: clip-higher and token-level normalisation (DAPO, Yu et al. 2025); no std scaling, a constant normaliser
-(Dr. GRPO, Liu et al. 2025); a sequence-level ratio (GSPO, Zheng et al. 2025); batch-std scaling (REINFORCE++, Hu
-2025); DAPO's overlong punishment and dynamic sampling; top_entropy_mask (Wang et al. 2025); EOS handling as the N+
-implementation details (Huang et al. 2024). --max_staleness K: decoupled PPO (Hilton et al. 2022; AReaL, Fu et al.
-2025), clipped to pi_old, tokens weighted by min(pi_old / pi_b, C) for batches drawn by pi_b (docs/async.md).
+with ratio_t = pi(o_t) / pi_old(o_t), KL_t the k3 estimator exp(q) - q - 1, q = log pi_ref - log pi. A completion no
+reward source scores (None / NaN: unknown, not 0) is left out of its group's mean and std and of the loss.
+Variants: clip-higher, token-level normalisation, overlong punishment, dynamic sampling (DAPO, Yu et al. 2025); no
+std scaling, a constant normaliser (Dr. GRPO, Liu et al. 2025); a sequence-level ratio (GSPO, Zheng et al. 2025);
+batch-std scaling (REINFORCE++, Hu 2025); top_entropy_mask (Wang et al. 2025); the EOS trick (N+ implementation
+details, Huang et al. 2024). --max_staleness K: decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025), clipped
+to pi_old, tokens weighted by min(pi_old / pi_b, C) for batches drawn by pi_b (docs/async.md).
 
     python algos/grpo.py     # tiny TL;DR prompts, policy output/sft, reward model output/reward
 """
@@ -31,27 +31,25 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
-from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
-                         prompt_batches)
-from common.generation import (SamplingArgs, generate, pad, shifted_logits, token_entropy_no_grad, token_logprobs,
+from common.data import as_completions, load_prompts, prompt_batches
+from common.generation import (SamplingArgs, completion_logps, generate, pad, rollout_logps,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
-# features, each entered only where its flags are given
-from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
-from common.resume import resume  # --resume_from_checkpoint
-from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
-from common.sampler_correction import (SamplerCorrectionArgs, check_correction, importance_metrics,
-                                       importance_weights)  # --vllm_importance_sampling_cap
-from common.vllm import VLLMArgs, VLLMSampler, sampler_options  # --use_vllm
+# features, each entered only where its flags are given (docs/layout.md)
+from common.episodes import EpisodeArgs, episode_metrics, load_tools
+from common.resume import resume
+from common.rollouts import RolloutArgs, RolloutStream, check_features
+from common.sampler_correction import SamplerCorrectionArgs, importance_metrics, importance_weights
+from common.vllm import VLLMArgs, VLLMSampler
 
 
 @dataclass
 class Args:
-    # algorithm: group-relative advantages, the clipped loss and its variants (module docstring)
+    # algorithm (module docstring)
     num_generations: int = 8
     """G, completions sampled per prompt"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
@@ -66,7 +64,7 @@ class Args:
     epsilon_high: float | None = None
     """upper clip range (DAPO clip-higher; default: epsilon); cispo: weight cap 1 + epsilon_high (TRL's 5.0 is 4.0)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token ratios (GRPO) or one ratio per sequence, the geometric mean of its token ratios (GSPO)"""
+    """token ratios (GRPO) or one per sequence, the geometric mean of its token ratios (GSPO)"""
     num_iterations: int = 1
     """mu: optimizer passes over each generation batch (> 1 clips against the sampling-time logprobs)"""
     mask_truncated_completions: bool = False
@@ -74,9 +72,9 @@ class Args:
     top_entropy_quantile: float = 1.0
     """rho: the policy gradient only on each micro-batch's top-rho entropy tokens (1: all; Wang et al. 2025: 0.2)"""
     sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature tau_pos for positive advantages (Gao et al. 2025)"""
+    """SAPO gate temperature tau_pos, for positive advantages"""
     sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature tau_neg for negative and zero advantages (larger: their off-policy tokens fade faster)"""
+    """tau_neg, for negative and zero advantages (larger: their off-policy tokens fade faster)"""
     missing_eos_penalty: float | None = None
     """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
     overlong_buffer_length: int = 0
@@ -87,16 +85,12 @@ class Args:
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
     max_dynamic_sampling_rounds: int = 10
     """generation batches sampled at most per rollout; then constant groups fill what is missing"""
-    max_staleness: int = 0
-    """K: sample generation batches up to K rollouts ahead, in a background thread, while updating (0: in turn)"""
-    async_importance_sampling_cap: float = 2.0
-    """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
     # model, data and rewards
     model_name_or_path: str = "output/sft"
     """policy to start from, usually the SFT model"""
     disable_dropout: bool = True
-    """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
+    """no dropout (LoRA's too): the first pass's ratio is exactly 1 (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
     """data with a prompt column (standard or conversational); other columns go to reward functions"""
     dataset_train_split: str = "train"
@@ -104,7 +98,7 @@ class Args:
     max_prompt_length: int = 512
     """prompt tokens kept (from the end)"""
     reward_model_paths: list[str] | None = None
-    """reward models (one-output classifiers, each with its tokenizer; default output/reward without --reward_funcs)"""
+    """reward models (one-output classifiers; default output/reward without --reward_funcs)"""
     reward_funcs: list[str] = field(default_factory=list)
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
@@ -136,7 +130,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     seed: int = 1
-    """seed of the run (models load alike on every process; each completion is sampled with its own seed)"""
+    """seed of the run (each completion is sampled with a seed of its own)"""
 
     # output and samples
     output_dir: str = "output/grpo"
@@ -146,12 +140,12 @@ class Args:
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
 
-    # shared groups, each defined where it is read (common/models.py, episodes.py, vllm.py, sampler_correction.py,
-    # checkpoint.py, tracking.py); their flags keep their names (--use_peft, --tools, --use_vllm, --save_steps, ...)
+    # flag groups, each defined in the module that reads it (flags unprefixed: --use_peft, --use_vllm, ...)
 
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
+    rollouts: RolloutArgs = field(default_factory=RolloutArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -187,9 +181,9 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 
 
 def informative_first(pool: list[dict], num_generations: int, size: int, max_rounds: int) -> dict | None:
-    """DAPO dynamic sampling over the generation batches drawn (dicts of tensors gathered from every rank): None
-    while fewer than `size` rows are of groups whose rewards differ and fewer than max_rounds batches are drawn;
-    then the first `size` rows, those of informative groups first (in the order drawn), then the others."""
+    """DAPO dynamic sampling over the generation batches drawn (dicts of gathered tensors): None while fewer than
+    `size` rows are of informative groups and fewer than max_rounds batches are drawn; then the first `size` rows,
+    informative groups first (in the order drawn)."""
     keep = [informative_groups(b["rewards"], num_generations).repeat_interleave(num_generations) for b in pool]
     if sum(int(m.sum()) for m in keep) < size and len(pool) < max_rounds:
         return None
@@ -213,10 +207,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str =
               epsilon_high: float = 0.2, beta: float = 0.0, importance_sampling_level: str = "token",
               max_completion_length: int = 0, num_items_in_batch: float = 0.0, token_weights=1.0,
               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
-    """The loss of a micro-batch and its per-token ratios. logps/old_logps/ref_logps/mask: [B, T]
-    over completion tokens; advantages: [B]; ref_logps unused when beta == 0; num_items_in_batch:
-    the dapo normaliser (completion tokens of the global batch, scaled to one micro-batch);
-    token_weights: weights of the policy-gradient term (vLLM sampler correction, entropy mask)."""
+    """The loss of a micro-batch and its statistics (means over mask: kl, the ratios clipped). logps/old_logps/
+    ref_logps/mask: [B, T] over completion tokens; advantages: [B]; num_items_in_batch: dapo's normaliser;
+    token_weights: of the policy-gradient term."""
     log_ratio = logps - old_logps
     if importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
@@ -230,9 +223,12 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str =
     else:
         per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * a)
     per_token = per_token * token_weights
+    tokens, stats = mask.sum().clamp(min=1), {}
     if beta:
         q = ref_logps - logps  # k3: an unbiased, always positive estimate of KL(pi || pi_ref)
-        per_token = per_token + beta * (torch.exp(q) - q - 1)
+        kl = torch.exp(q) - q - 1
+        per_token = per_token + beta * kl
+        stats["kl"] = (kl.detach() * mask).sum() / tokens
     if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     elif loss_type == "bnpo":
@@ -243,91 +239,68 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str =
         loss = (per_token * mask).sum() / num_items_in_batch
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    return loss, ratio.expand_as(logps)
-
-
-def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
-                     **truncation):
-    """Log-probability of each completion token, input_ids[:, prompt_width:], under the distribution that drew it
-    (logits / temperature, cut by `truncation`); entropy=True: also each position's entropy (no gradient)."""
-    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
-    return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
+    low, high = (ratio < 1 - epsilon) & (a < 0), (ratio > 1 + epsilon_high) & (a > 0)  # exclusive: a < 0, a > 0
+    for name, clipped in (("low", low), ("high", high), ("region", low | high)):
+        stats[f"clip_ratio/{name}_mean"] = (clipped.float() * mask).sum() / tokens
+    return loss, stats
 
 
 @dataclass
 class Rollout:
-    """One generation batch (this process's share) and what its num_iterations updates need (checkpointed)."""
+    """One generation batch (this process's share), what its num_iterations updates need, and its metrics."""
     input_ids: torch.Tensor  # [B, P + T] left-padded prompts, then completions
     attention_mask: torch.Tensor
     prompt_width: int  # P
     completion_mask: torch.Tensor  # [B, T] up to and including the stop token
-    finished: torch.Tensor  # [B] stopped by itself
-    loss_mask: torch.Tensor  # [B, T] the tokens in the loss (not an unscorable completion's)
+    loss_mask: torch.Tensor  # [B, T] the tokens in the loss
     advantages: torch.Tensor  # [B]
-    num_items: torch.Tensor  # the dapo normaliser
-    old_logps: list  # per micro-batch [b, T] at sampling time (None when num_iterations == 1)
-    ref_logps: list  # per micro-batch [b, T] (None when beta == 0)
+    old_logps: torch.Tensor | None  # [B, T] at sampling time (None when num_iterations == 1)
+    ref_logps: torch.Tensor | None  # [B, T] (None when beta == 0)
     sampler_logps: torch.Tensor | None  # [B, T] vLLM's logprobs; K >= 1: the behaviour policy's
-    rewards: torch.Tensor  # [B] NaN where unscorable
-    all_rewards: torch.Tensor  # [global batch]
-    per_source: dict  # reward source name -> [B]
-    prompts: list
-    texts: list
-    draws: int = 1  # generation batches drawn (dynamic sampling)
-    episodes: dict | None = None  # multi-turn: turns, calls, failures [B]
+    metrics: dict  # logged with each of its updates
+    samples: list  # the samples table's rows
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size, rank = accelerator.num_processes, accelerator.process_index
     args.tracking.run_name = args.tracking.run_name or f"grpo__{args.seed}__{int(time.time())}"
-    # ---- batch sizes: checked before anything loads ----
+    # ---- batch sizes and the features' checks, before anything loads ----
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.generation_batch_size = local_size * args.world_size
+    n_prompts = args.generation_batch_size // args.num_generations
     sizes = (f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
              f"{args.gradient_accumulation_steps} x {args.world_size} processes")
     if args.num_generations < 2 or args.generation_batch_size % args.num_generations:
         raise UserError(f"{sizes} = {args.generation_batch_size} completions per generation batch, which must be a "
                         f"multiple of num_generations {args.num_generations} (>= 2)")
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.max_staleness:  # the features' checks, before anything loads
-        check_staleness(args.max_staleness, accelerator, args)
-    corrected = None  # the sampler-mismatch correction's options
-    if args.vllm.use_vllm:
-        corrected = check_correction(args.correction, use_vllm=True, max_staleness=args.max_staleness,
-                                     repetition_penalty=args.sampling.repetition_penalty)
-        vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
-                                       use_peft=args.model.use_peft)  # vLLM there, the server up
+    corrected = sampler = None
+    if args.vllm.use_vllm or args.rollouts.max_staleness:
+        corrected, vllm_options = check_features(args, accelerator)
 
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]},
-                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to grpo.py,")
-    rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), args.generation_batch_size // args.num_generations,
-                               f"{sizes} / num_generations {args.num_generations}")
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
-    e, tools = args.episodes, None
-    if e.tools or e.environment_factory:  # multi-turn episodes
-        tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, args.dynamic_sampling,
-                           e.tool_timeout)
+    rows, prompt_ids = load_prompts(tokenizer, args.dataset_name, args.dataset_train_split, "grpo.py",
+                                    args.max_prompt_length, n_prompts,
+                                    f"{sizes} / num_generations {args.num_generations}")
+    e = args.episodes
+    tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, args.dynamic_sampling,
+                       e.tool_timeout) if e.tools or e.environment_factory else None
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
                   gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
                   no_dropout=args.disable_dropout)
     hint_learning_rate(accelerator, model, args.learning_rate, Args.learning_rate)
     ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype)) \
         if args.beta and not args.model.use_peft else None  # beta 0 needs none; LoRA turns adapters off instead
-    truncation = args.sampling.truncation()  # the sampling's, and the logprobs'
-    logps_of = functools.partial(completion_logps, temperature=args.temperature, **truncation)
-    sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                    repetition_penalty=args.sampling.repetition_penalty, **truncation)
-    loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=epsilon_high, beta=args.beta,
+    logps_options = dict(temperature=args.temperature, **args.sampling.truncation())  # the distribution sampled
+    sampling = dict(max_new_tokens=args.max_completion_length, repetition_penalty=args.sampling.repetition_penalty,
+                    **logps_options)
+    batched = dict(batch_size=args.per_device_train_batch_size, **logps_options)
+    loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, beta=args.beta,
+                        epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
                         importance_sampling_level=args.importance_sampling_level,
                         max_completion_length=args.max_completion_length,
                         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
@@ -337,35 +310,33 @@ def main(args: Args):
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
                              args.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler (prepared, it steps per process)
-    sampler = None
     if args.vllm.use_vllm:
         sampler = VLLMSampler(accelerator, args.model_name_or_path,
                               args.max_prompt_length + args.max_completion_length, **vllm_options)
     checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
                                 run_name=args.tracking.run_name)
-    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}  # weights, RNGs, step, ...
+    resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
     args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
     tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
                       total_steps=args.max_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; {local_size} completions per process and "
-                      f"generation batch, {args.num_generations} per prompt; rewards: "
+                      f"batch ({args.num_generations} a prompt); rewards: "
                       + ", ".join(f"{name} (x{w})" for (name, _, _), w in zip(sources, weights)))
 
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # episode: completions taken
-    start_time, start_episode = time.time(), episode  # eps counts this process's episodes
-    # endless: the global batch's prompts, each G times, then this rank's share; on resume from the checkpoint's place
-    prompts_iter = prompt_batches(len(rows), args.generation_batch_size // args.num_generations, args.num_generations,
-                                  seed=args.seed, rank=rank, local_size=local_size,
+    start_time, start_episode = time.time(), episode
+    # endless: this rank's share of each global batch (each prompt G times); resumed at the checkpoint's place
+    prompts_iter = prompt_batches(len(rows), n_prompts, args.num_generations, seed=args.seed, rank=rank,
+                                  local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.generation_batch_size)
-    micro = [slice(m * args.per_device_train_batch_size, (m + 1) * args.per_device_train_batch_size)
-             for m in range(args.gradient_accumulation_steps)]
-    stream = None  # vLLM, multi-turn episodes, batches drawn ahead
-    if sampler or tools or args.max_staleness:
+    micro = [slice(i, i + args.per_device_train_batch_size)
+             for i in range(0, local_size, args.per_device_train_batch_size)]
+    stream = None
+    if sampler or tools or args.rollouts.max_staleness:
         stream = RolloutStream(accelerator, args, rows, prompt_ids, tools, prompts_iter, resumed, model=model,
                                tokenizer=tokenizer, sampler=sampler, generate=generate,
                                batch_size=args.generation_batch_size, **sampling,
-                               logps=lambda policy, ids, mask, width: torch.cat([logps_of(  # the behaviour's (K >= 1)
-                                   policy, ids[m], mask[m], width) for m in micro]))
+                               logps=functools.partial(rollout_logps, **batched))  # the behaviour's (K >= 1)
 
     # a rollout between two of its num_iterations passes is in a checkpoint (its sampling policy is gone)
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
@@ -381,8 +352,7 @@ def main(args: Args):
                 with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
                     samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
                 texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
-                completions = [[{"role": "assistant", "content": text}] if is_conversational(rows[i]["prompt"])
-                               else text for i, text in zip(indices, texts)]
+                completions = as_completions([rows[i]["prompt"] for i in indices], texts)
                 c_mask, columns, extra = samples.completion_mask, {}, {}
             else:  # episodes (tool results: context, not trained), vLLM's samples, or drawn ahead (K >= 1)
                 indices, episodes = stream.next_batch(step // args.num_iterations)
@@ -420,51 +390,63 @@ def main(args: Args):
             input_ids = torch.cat([p_ids, c_ids], 1)  # multi-turn: tool results are attended to, not trained
             attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
-            # ---- ADVANTAGES: relative to the group, over the global batch; an unscorable completion: 0, no loss ----
+            # ---- ADVANTAGES: relative to the group, over the global batch (unscorable: 0, out of the loss) ----
             all_rewards = accelerator.gather(rewards)
             advantages = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
             advantages = advantages[rank * local_size:(rank + 1) * local_size]
             loss_mask = c_mask.float() * ~rewards.isnan()[:, None]
             if args.mask_truncated_completions:
                 loss_mask = loss_mask * finished[:, None]
-            # dapo: the global batch's tokens, scaled to one micro-batch (backward() and DDP average over them)
-            tokens = accelerator.reduce(loss_mask.sum(), "sum").clamp(min=1)
-            num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
-            with torch.no_grad():
-                old_logps = ref_logps = [None] * len(micro)
-                if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
-                    old_logps = [logps_of(model, input_ids[s], attention_mask[s], p_ids.shape[1]) for s in micro]
-                if args.beta:
-                    with reference(accelerator, model, ref_model) as ref:
-                        ref_logps = [logps_of(ref, input_ids[s], attention_mask[s], p_ids.shape[1]) for s in micro]
+            old_logps = ref_logps = None
+            if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
+                old_logps = rollout_logps(model, input_ids, attention_mask, p_ids.shape[1], **batched)
+            if args.beta:
+                with reference(accelerator, model, ref_model) as ref:
+                    ref_logps = rollout_logps(ref, input_ids, attention_mask, p_ids.shape[1], **batched)
+            scored = all_rewards[~all_rewards.isnan()]  # the batch's metrics (TRL's names)
+            metrics = {
+                "reward": scored.mean().item(), "reward_std": scored.std().item(),
+                "completions/mean_length": accelerator.gather(c_mask.sum(1).float()).mean().item(),
+                "completions/clipped_ratio": 1 - accelerator.gather(finished.float()).mean().item(),
+                "completions/unscored_ratio": 1 - len(scored) / len(all_rewards),
+                "frac_reward_zero_std": (~informative_groups(all_rewards, args.num_generations)).float().mean().item()}
+            for (name, _, _), values in zip(sources, batch["per_source"].T):
+                metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+            if tools:
+                metrics |= episode_metrics(accelerator, finished, batch["turns"], batch["calls"], batch["failures"])
+            if args.dynamic_sampling:
+                metrics["dynamic_sampling/rounds"] = len(pool)  # generation batches drawn
+            texts = tokenizer.batch_decode(c_ids[:args.num_sample_generations], skip_special_tokens=True)
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=p_ids.shape[1],
-                              completion_mask=c_mask, finished=finished, loss_mask=loss_mask, advantages=advantages,
-                              num_items=num_items, old_logps=old_logps, ref_logps=ref_logps, rewards=rewards,
-                              sampler_logps=batch.get("sampler_logps"), prompts=[rows[i]["prompt"] for i in indices],
-                              per_source=dict(zip([name for name, _, _ in sources], batch["per_source"].T)),
-                              all_rewards=all_rewards, texts=tokenizer.batch_decode(c_ids, skip_special_tokens=True),
-                              draws=max(len(pool), 1),
-                              episodes=tools and {k: batch[k] for k in ("turns", "calls", "failures")})
+                              completion_mask=c_mask, loss_mask=loss_mask, advantages=advantages,
+                              old_logps=old_logps, ref_logps=ref_logps, sampler_logps=batch.get("sampler_logps"),
+                              metrics=metrics, samples=[{"prompt": rows[i]["prompt"], "completion": t, "reward": x}
+                                                        for i, t, x in zip(indices, texts, rewards.tolist())])
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
         r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
-        for m, s in enumerate(micro):
+        # dapo: the global batch's tokens, scaled to one micro-batch (backward() and DDP average over them)
+        tokens = accelerator.reduce(r.loss_mask.sum(), "sum").clamp(min=1)
+        num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
+        for s in micro:
             with accelerator.accumulate(model):
-                logps, entropy = logps_of(model, r.input_ids[s], r.attention_mask[s], r.prompt_width, entropy=True)
-                old = r.old_logps[m] if r.old_logps[m] is not None else logps.detach()  # mu == 1: ratio 1
+                logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
+                                                  entropy=True, **logps_options)
+                old = logps.detach() if r.old_logps is None else r.old_logps[s]  # mu == 1: ratio 1
+                ref_logps = None if r.ref_logps is None else r.ref_logps[s]
+                mask = r.loss_mask[s]
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
                 if r.sampler_logps is not None and corrected:  # (never with K >= 1)
                     is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
                                                               **corrected)
                     corrections.append(is_stats)
-                if args.max_staleness:  # decoupled PPO: the clip is to pi_old (mu == 1: the policy now), and each
-                    stale = torch.exp(old - r.sampler_logps[s]) * r.loss_mask[s]  # token weighs pi_old / pi_behaviour
-                    stats["async/importance_ratio"] += stale.sum() / r.loss_mask[s].sum().clamp(min=1)
-                    is_weights = is_weights * stale.clamp(max=args.async_importance_sampling_cap)
-                pg_mask = top_entropy_mask(entropy, r.loss_mask[s], args.top_entropy_quantile)  # the 80/20 rule
-                loss, ratio = grpo_loss(logps, old, r.ref_logps[m], r.advantages[s], r.loss_mask[s],
-                                        num_items_in_batch=r.num_items, token_weights=is_weights * pg_mask,
-                                        **loss_options)
+                if args.rollouts.max_staleness:  # decoupled PPO: clipped to pi_old (mu == 1: the policy now), each
+                    stale = torch.exp(old - r.sampler_logps[s]) * mask  # token weighted by pi_old / pi_behaviour
+                    stats["async/importance_ratio"] += stale.sum() / mask.sum().clamp(min=1)
+                    is_weights = is_weights * stale.clamp(max=args.rollouts.async_importance_sampling_cap)
+                pg_mask = top_entropy_mask(entropy, mask, args.top_entropy_quantile)  # the 80/20 rule
+                loss, loss_stats = grpo_loss(logps, old, ref_logps, r.advantages[s], mask, num_items_in_batch=num_items,
+                                             token_weights=is_weights * pg_mask, **loss_options)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -473,44 +455,24 @@ def main(args: Args):
                         optimizer.zero_grad()  # drop this update: the step below then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
-            with torch.no_grad():
-                mask, a = r.loss_mask[s], r.advantages[s][:, None]
-                tokens = mask.sum().clamp(min=1)
-                low, high = (ratio < 1 - args.epsilon) & (a < 0), (ratio > 1 + epsilon_high) & (a > 0)
-                stats["loss"] += loss.detach()
-                if args.beta:
-                    q = r.ref_logps[m] - logps.detach()
-                    stats["kl"] += ((torch.exp(q) - q - 1) * mask).sum() / tokens
-                stats["entropy"] += (entropy * mask).sum() / tokens
-                for name, clipped in (("low", low), ("high", high), ("region", low | high)):  # exclusive: a < 0, a > 0
-                    stats[f"clip_ratio/{name}_mean"] += (clipped.float() * mask).sum() / tokens
+            stats["loss"] += loss.detach()
+            stats["entropy"] += (entropy * mask).sum() / mask.sum().clamp(min=1)
+            for name, value in loss_stats.items():
+                stats[name] += value
         scheduler.step()
         tracker.step()
         step += 1
 
         # ---- LOG ----
-        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
-        scored = r.all_rewards[~r.all_rewards.isnan()]
-        metrics.update({
-            "reward": scored.mean().item(), "reward_std": scored.std().item(),
-            "completions/mean_length": accelerator.gather(r.completion_mask.sum(1).float()).mean().item(),
-            "completions/clipped_ratio": 1 - accelerator.gather(r.finished.float()).mean().item(),
-            "completions/unscored_ratio": 1 - len(scored) / len(r.all_rewards),
-            "frac_reward_zero_std": (~informative_groups(r.all_rewards, args.num_generations)).float().mean().item(),
+        metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps) | r.metrics | {
             "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
-            "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time),
-            **({"dynamic_sampling/rounds": r.draws} if args.dynamic_sampling else {})})  # generation batches drawn
-        for name, values in r.per_source.items():
-            metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
-        if r.episodes:  # TRL's tool metrics
-            metrics.update(episode_metrics(accelerator, r.finished, **r.episodes))
-        if stream:  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
+            "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
+        if stream:  # vllm/push_seconds; K >= 1: async/*
             metrics.update(stream.metrics())
-        if corrections:  # TRL's names; over micro-batches
+        if corrections:
             metrics.update(importance_metrics(accelerator, corrections))
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": p, "completion": t, "reward": reward} for p, t, reward in
-                                 zip(r.prompts, r.texts, r.rewards.tolist())][:args.num_sample_generations], step)
+            tracker.log_samples(r.samples, step)
         tracker.log(metrics, step)
         if step % args.num_iterations == 0:  # the next step samples a new rollout
             rollout = None

@@ -40,7 +40,7 @@ from common.generation import decodes_here, generate, pad, shifted_logits, token
 from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen,
                            reference)
 from common.resume import resume  # --resume_from_checkpoint
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 
@@ -252,8 +252,7 @@ def main(args: Args):
     if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
         raise UserError("KTO estimates its KL reference point from mismatched rows of a batch: "
                         "--per_device_train_batch_size must be >= 2")
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)

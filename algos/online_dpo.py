@@ -33,12 +33,12 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
-from common.data import check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split
+from common.data import as_completions, load_prompts
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.resume import resume  # --resume_from_checkpoint
 from common.rewards import compute_rewards, import_function, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 from common.vllm import VLLMArgs, VLLMSampler, sampler_options
@@ -205,8 +205,7 @@ def prompt_batches(num_rows: int, per_step: int, *, seed: int, rank: int, world_
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
@@ -224,14 +223,11 @@ def main(args: Args):
     # pairs, not an importance-weighted estimate under pi, so no ratio pi_train / pi_vllm enters it (README)
     # ---- model, data and ranking ----
     tokenizer = load_tokenizer(args.model_name_or_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]},
-                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to online_dpo.py,")
-    rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
-                               f"{args.world_size} processes")
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-(args.max_length - args.max_new_tokens):] for row in rows]
+    rows, prompt_ids = load_prompts(tokenizer, args.dataset_name, args.dataset_train_split, "online_dpo.py",
+                                    args.max_length - args.max_new_tokens,
+                                    args.per_device_train_batch_size * args.world_size,
+                                    f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                                    f"{args.world_size} processes")
     steps_per_epoch = max(1, len(rows) // args.total_batch_size)
     model = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype),
                   gradient_checkpointing=args.model.gradient_checkpointing, lora=args.model.lora(),
@@ -302,8 +298,7 @@ def main(args: Args):
             # ---- SCORE: reward models and functions, or the judge; the EOS trick ----
             texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
             prompts = [rows[i]["prompt"] for i in pair_indices]
-            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                           for p, t in zip(prompts, texts)]
+            completions = as_completions(prompts, texts)
             if judge is not None:
                 picks = judge(prompts[::2], list(zip(completions[::2], completions[1::2])))
                 scores = judge_scores(picks).to(accelerator.device)

@@ -31,15 +31,14 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
-from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
-                         prompt_batches)
+from common.data import as_completions, load_prompts, prompt_batches
 from common.generation import (generate, real_positions, shifted_logits, token_entropy_no_grad, token_logprobs,
                                unwrapped_for_generation)
 from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_reward_model, load_tokenizer,
                            prepare_frozen)
 from common.resume import resume  # --resume_from_checkpoint
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights
 from common.tracking import Tracker, TrackingArgs, reduce_stats
@@ -264,8 +263,7 @@ class Rollout:
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
@@ -282,15 +280,11 @@ def main(args: Args):
                                    use_peft=args.model.use_peft) if args.vllm.use_vllm else None  # vLLM, server up
     # ---- models and data ----
     tokenizer = load_tokenizer(args.model_name_or_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]},
-                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to ppo.py,")
-    rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), args.rollout_batch_size,
-                               f"per_device_train_batch_size {args.per_device_train_batch_size} x "
-                               f"gradient_accumulation_steps {args.gradient_accumulation_steps} x num_mini_batches "
-                               f"{args.num_mini_batches} x {args.world_size} processes")
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    rows, prompt_ids = load_prompts(tokenizer, args.dataset_name, args.dataset_train_split, "ppo.py",
+                                    args.max_prompt_length, args.rollout_batch_size,
+                                    f"per_device_train_batch_size {args.per_device_train_batch_size} x "
+                                    f"gradient_accumulation_steps {args.gradient_accumulation_steps} x "
+                                    f"num_mini_batches {args.num_mini_batches} x {args.world_size} processes")
     lora = args.model.lora()  # None without --use_peft
     policy = adapt(load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype), lora=lora,
                    gradient_checkpointing=args.model.gradient_checkpointing, no_dropout=args.disable_dropout)
@@ -377,8 +371,7 @@ def main(args: Args):
         # reward function's None only leaves that function's term out of the sum ----
         texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
         batch_prompts = [rows[i]["prompt"] for i in indices]
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(batch_prompts, texts)]
+        completions = as_completions(batch_prompts, texts)
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)]
         scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,

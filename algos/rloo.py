@@ -40,21 +40,20 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
-from common.data import (check_columns, check_prompts_fill_a_batch, encode_prompt, is_conversational, load_split,
-                         prompt_batches)
-from common.generation import (SamplingArgs, generate, shifted_logits, token_entropy_no_grad, token_logprobs,
+from common.data import as_completions, load_prompts, prompt_batches
+from common.generation import (SamplingArgs, completion_logps, generate, rollout_logps,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.rewards import compute_rewards, load_reward_sources
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given
 from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
 from common.resume import resume  # --resume_from_checkpoint
-from common.rollouts import RolloutStream, check_staleness  # --use_vllm, multi-turn, --max_staleness
-from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights  # --vllm_importance_*
-from common.vllm import VLLMArgs, VLLMSampler, sampler_options  # --use_vllm
+from common.rollouts import RolloutArgs, RolloutStream, check_features  # --use_vllm, multi-turn, --max_staleness
+from common.sampler_correction import SamplerCorrectionArgs, importance_weights  # --vllm_importance_*
+from common.vllm import VLLMArgs, VLLMSampler  # --use_vllm
 
 
 @dataclass
@@ -86,10 +85,6 @@ class Args:
     """optimizer steps per pass (each of gradient_accumulation_steps micro-batches)"""
     missing_eos_penalty: float | None = None
     """subtracted from the reward of completions that did not stop (N+ detail: the EOS trick)"""
-    max_staleness: int = 0
-    """K: sample rollouts up to K rollouts ahead, in a background thread, while updating (0: in turn)"""
-    async_importance_sampling_cap: float = 2.0
-    """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
 
     # model, data and rewards
     model_name_or_path: str = "output/sft"
@@ -149,6 +144,7 @@ class Args:
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
+    rollouts: RolloutArgs = field(default_factory=RolloutArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -216,27 +212,8 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
     return (values - mean) / (var.sqrt() + 1e-8) * mask
 
 
-def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
-                     **truncation):
-    """Log-probability of each completion token, input_ids[:, prompt_width:] (prompts left-padded), under the
-    distribution that drew it (logits / temperature, truncated); entropy=True: also each position's entropy."""
-    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
-    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
-    return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
-
-
-@torch.no_grad()
-def rollout_logps(policy, input_ids, attention_mask, prompt_width: int, batch_size: int, temperature: float,
-                  **truncation):
-    """completion_logps without gradients, batch_size rows at a time (old, reference and behaviour logprobs)."""
-    return torch.cat([completion_logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
-                                       prompt_width, temperature, **truncation)
-                      for i in range(0, len(input_ids), batch_size)])
-
-
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
@@ -255,23 +232,14 @@ def main(args: Args):
         raise UserError(f"{sizes} = {args.rollout_batch_size} completions per rollout, which must be a multiple of "
                         f"rloo_k {args.rloo_k} (>= 2)")
     args.num_steps = args.max_steps * args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
-    if args.max_staleness:  # the features' checks, before anything loads
-        check_staleness(args.max_staleness, accelerator, args)
     corrected = None  # the sampler-mismatch correction's options (common/sampler_correction.py)
-    if args.vllm.use_vllm:
-        corrected = check_correction(args.correction, use_vllm=True, max_staleness=args.max_staleness,
-                                     repetition_penalty=args.sampling.repetition_penalty)
-        vllm_options = sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
-                                       use_peft=args.model.use_peft)  # vLLM there, the server up
+    if args.vllm.use_vllm or args.rollouts.max_staleness:  # the features' checks, before anything loads
+        corrected, vllm_options = check_features(args, accelerator)
 
     # ---- model, data and rewards ----
     tokenizer = load_tokenizer(args.model_name_or_path, chat_template_path=args.chat_template_path)
-    dataset = load_split(args.dataset_name, args.dataset_train_split)
-    check_columns(dataset, {"prompt-only": ["prompt"]},
-                  f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to rloo.py,")
-    rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), n_prompts, f"{sizes} / rloo_k {args.rloo_k}")
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"])[-args.max_prompt_length:] for row in rows]
+    rows, prompt_ids = load_prompts(tokenizer, args.dataset_name, args.dataset_train_split, "rloo.py",
+                                    args.max_prompt_length, n_prompts, f"{sizes} / rloo_k {args.rloo_k}")
     e, tools = args.episodes, None
     if e.tools or e.environment_factory:  # multi-turn episodes
         tools = load_tools(tokenizer, e.tools, e.environment_factory, local_size, rows, timeout=e.tool_timeout)
@@ -317,7 +285,7 @@ def main(args: Args):
     if resumed:
         shuffler.set_state(resumed["shuffler"])  # the mini-batch order
     stream = None  # vLLM, multi-turn episodes, rollouts drawn ahead (K >= 1): common/rollouts.py
-    if sampler or tools or args.max_staleness:
+    if sampler or tools or args.rollouts.max_staleness:
         stream = RolloutStream(accelerator, args, rows, prompt_ids, tools, prompts_iter, resumed, model=model,
                                tokenizer=tokenizer, sampler=sampler, generate=generate,
                                batch_size=args.rollout_batch_size, **sampling,
@@ -341,9 +309,7 @@ def main(args: Args):
 
         # ---- SCORE: the scores (NaN: no source scored it), minus the penalty of a missing EOS (the EOS trick);
         # a completion as reward functions take it: a string or one assistant message (tools: the episode's) ----
-        completions = episodes.completions if tools else [
-            [{"role": "assistant", "content": text}] if is_conversational(p) else text
-            for p, text in zip(prompts, texts)]
+        completions = episodes.completions if tools else as_completions(prompts, texts)
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
         scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
                                              columns=columns,
@@ -387,10 +353,10 @@ def main(args: Args):
             sampler_logps = accelerator.gather(samples.sampler_logps)
         if corrected:  # vLLM's pi differs slightly from the trainer's: once per rollout (old_logps stay fixed)
             is_weights, is_stats = importance_weights(old_logps, sampler_logps, sampled, **corrected)
-        if args.max_staleness:  # decoupled PPO: clipped to pi_old, each token weighted by pi_old / pi_b, truncated
+        if args.rollouts.max_staleness:  # decoupled PPO: clipped to pi_old, tokens weighted by pi_old / pi_b, truncated
             stale = torch.exp(old_logps - sampler_logps) * sampled
             is_stats["async/importance_ratio"] = stale.sum() / sampled.sum().clamp(min=1)
-            is_weights = stale.clamp(max=args.async_importance_sampling_cap)
+            is_weights = stale.clamp(max=args.rollouts.async_importance_sampling_cap)
 
         # ---- UPDATE: num_ppo_epochs x num_mini_batches optimizer steps, clipped against old_logps ----
         stats = defaultdict(float)  # name -> sum over micro-batches

@@ -29,7 +29,7 @@ from common.data import (check_columns, encode_completion, encode_prompt, is_con
 from common.generation import decodes_here, generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer
 from common.resume import resume  # --resume_from_checkpoint
-from common.runtime import (UserError, check_output_dir, check_positive, exit_on_user_error, flags, lr_scheduler,
+from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs
 
@@ -239,8 +239,7 @@ def log_samples(model, tokenizer, eval_split, args, *, tracker, step: int, accel
 
 
 def main(args: Args):
-    check_positive(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
-    check_output_dir(args.output_dir, args.checkpoint.overwrite_output_dir, args.checkpoint.resume_from_checkpoint)
+    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)

@@ -71,8 +71,24 @@ def check_prompts_fill_a_batch(num_prompts: int, batch_prompts: int, how: str):
                         "or lower those flags")
 
 
+def load_prompts(tokenizer, name: str, split: str, script: str, max_tokens: int, batch_prompts: int, how: str):
+    """The rows of a split with a prompt column and each prompt's token ids (its last max_tokens), refused when they
+    fill no batch of batch_prompts distinct prompts (`how`: the flags that size it)."""
+    dataset = load_split(name, split)
+    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{name}' (split {split}), given to {script},")
+    rows = list(dataset)
+    check_prompts_fill_a_batch(len(rows), batch_prompts, how)
+    return rows, [encode_prompt(tokenizer, row["prompt"])[-max_tokens:] for row in rows]
+
+
 def is_conversational(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict)
+
+
+def as_completions(prompts: list, texts: list[str]) -> list:
+    """Completions as reward functions take them (TRL): one assistant message after a conversational prompt, else
+    the text."""
+    return [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
 
 
 def _is_messages(value) -> bool:

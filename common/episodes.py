@@ -18,7 +18,7 @@ import torch
 import tyro
 from transformers.utils import get_json_schema
 
-from common.data import encode_prompt, is_conversational, without_nulls
+from common.data import as_completions, encode_prompt, is_conversational, without_nulls
 from common.generation import Samples, pad
 from common.rewards import import_function
 from common.runtime import UserError
@@ -248,8 +248,7 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
     if tools is None:
         out = sample(prompt_ids, seeds, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(r["prompt"]) else t
-                       for r, t in zip(rows, texts)]
+        completions = as_completions([r["prompt"] for r in rows], texts)
         ones = torch.ones(len(rows), dtype=torch.long, device=out.completion_ids.device)
         return Episodes(replace(out, model_mask=out.completion_mask), completions, ones, 0 * ones, 0 * ones, {})
     prompts = [[dict(m) for m in without_nulls(row["prompt"])] for row in rows]

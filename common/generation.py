@@ -277,6 +277,24 @@ def shifted_logits(model, input_ids, attention_mask, start: int = 0, share_prefi
                  logits_to_keep=input_ids.shape[1] - start).logits[:, :-1]
 
 
+def completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float, entropy: bool = False,
+                     **truncation):
+    """Log-probability of each completion token, input_ids[:, prompt_width:] (prompts left-padded), under the
+    distribution that drew it (logits / temperature, truncated); entropy=True: also each position's entropy."""
+    logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
+    logps = token_logprobs(logits, input_ids[:, prompt_width:], temperature, **truncation)
+    return (logps, token_entropy_no_grad(logits, temperature)) if entropy else logps
+
+
+@torch.no_grad()
+def rollout_logps(policy, input_ids, attention_mask, prompt_width: int, batch_size: int, temperature: float,
+                  **truncation):
+    """completion_logps without gradients, batch_size rows at a time (old, reference and behaviour logprobs)."""
+    return torch.cat([completion_logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
+                                       prompt_width, temperature, **truncation)
+                      for i in range(0, len(input_ids), batch_size)])
+
+
 def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs):
     """The key/value cache of the first `length` tokens per row, computed once per distinct prefix. None
     when length is 0 or there is no cache (gradient checkpointing in training): the caller runs whole

@@ -26,14 +26,39 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
+import tyro
 
 from common.episodes import Episodes, run_episodes
 from common.generation import Samples
 from common.models import deepspeed_stage, load_policy
 from common.runtime import UserError
-from common.vllm import full_parameters, sample_with
+from common.sampler_correction import check_correction
+from common.vllm import full_parameters, sample_with, sampler_options
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --max_staleness, not --rollouts.max-staleness
+@dataclass
+class RolloutArgs:
+    """asynchronous rollouts (common/rollouts.py)"""
+    max_staleness: int = 0
+    """K: draw generation batches up to K rollouts ahead, in a background thread, while updating (0: in turn)"""
+    async_importance_sampling_cap: float = 2.0
+    """K >= 1: upper bound of each token's staleness weight pi_old / pi_behaviour (truncated importance sampling)"""
+
+
+def check_features(args, accelerator) -> tuple[dict | None, dict | None]:
+    """Before anything loads, with --use_vllm or --max_staleness (args: grpo's or rloo's): their checks, vLLM there
+    and its server up; the sampler-mismatch correction's options and the vLLM sampler's (None without --use_vllm)."""
+    check_staleness(args.rollouts.max_staleness, accelerator, args)
+    if not args.vllm.use_vllm:
+        return None, None
+    return (check_correction(args.correction, use_vllm=True, max_staleness=args.rollouts.max_staleness,
+                             repetition_penalty=args.sampling.repetition_penalty),
+            sampler_options(args.vllm, accelerator, seed=args.seed, dtype=args.model.torch_dtype,
+                            use_peft=args.model.use_peft))
 
 
 def check_staleness(k: int, accelerator, args):
@@ -62,8 +87,8 @@ class RolloutStream:
     run (the same samples on 1 or N processes), drawn by `draw` (run_episodes of those rows, with `sampling`).
     K = 0: here and now (common.vllm.sample_with). K >= 1: in the sampler's thread (accelerator None: no other
     process to keep in step), and logps(policy, input_ids, attention_mask, prompt_width) of the HF copy become the
-    episodes' sampler_logps. args: grpo's or rloo's (seed, max_staleness, max_prompt_length, the model to copy,
-    its ModelArgs and EpisodeArgs)."""
+    episodes' sampler_logps. args: grpo's or rloo's (seed, max_prompt_length, the model to copy, its ModelArgs,
+    EpisodeArgs and RolloutArgs)."""
 
     def __init__(self, accelerator, args, rows: list, prompt_ids: list, tools, batches, resumed: dict, *,
                  batch_size: int, model, tokenizer, sampler, generate, logps, **sampling):
@@ -71,7 +96,7 @@ class RolloutStream:
         self.rows, self.prompt_ids, self.tools = rows, prompt_ids, tools
         self.episode_options = dict(max_prompt_length=args.max_prompt_length,
                                     max_calls=args.episodes.max_tool_calling_iterations, **sampling)
-        self.k, self.sampler, self.logps, self.generate = args.max_staleness, sampler, logps, generate
+        self.k, self.sampler, self.logps, self.generate = args.rollouts.max_staleness, sampler, logps, generate
         self.sample = sample_with(accelerator, model, tokenizer, sampler, gather=args.model.ds3_gather_for_generation,
                                   generate=generate)  # K = 0: the script's generate on the policy, or vLLM
         self.requested = resumed.get("requested", resumed.get("episode", 0))  # completions requested, every rank's

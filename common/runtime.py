@@ -81,14 +81,16 @@ def flags(args) -> dict:
     return {k: w for k, v in vars(args).items() for k, w in (flags(v) if is_dataclass(v) else {k: v}).items()}
 
 
-def check_positive(args):
-    """args: the script's Args (its groups included)."""
+def check_flags(args):
+    """Before anything loads: sizes and rates > 0, an output_dir free to use. args: the script's Args (its groups
+    included)."""
     values = flags(args)
     for name in POSITIVE:
         if (value := values.get(name)) is not None and value <= 0:
             why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
             raise UserError(f"--{name} must be > 0 (got {value}){why}")
+    check_output_dir(values["output_dir"], values["overwrite_output_dir"], values["resume_from_checkpoint"])
 
 
 stop_signal: int | None = None  # set by SIGTERM / Ctrl-C under `stop_on_signal`; read by the Checkpointer

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.episodes import EpisodeArgs  # noqa: E402
 from common.models import ModelArgs  # noqa: E402
-from common.rollouts import RolloutStream  # noqa: E402
+from common.rollouts import RolloutArgs, RolloutStream  # noqa: E402
 
 accelerator = types.SimpleNamespace(num_processes=1, process_index=0, autocast=contextlib.nullcontext)
 never = threading.Event()
@@ -27,7 +27,8 @@ def draw(indices, seeds, sample, tokenizer, accelerator):
     return f"batch {indices[0]}"
 
 
-args = types.SimpleNamespace(seed=1, max_staleness=1, max_prompt_length=8, model=ModelArgs(), episodes=EpisodeArgs())
+args = types.SimpleNamespace(seed=1, max_prompt_length=8, model=ModelArgs(), episodes=EpisodeArgs(),
+                             rollouts=RolloutArgs(max_staleness=1))
 stream = RolloutStream(accelerator, args, [], [], None, ([i] for i in itertools.count()), {}, batch_size=1, model=None,
                        tokenizer=None, sampler=types.SimpleNamespace(push_weights=lambda model: None), generate=None,
                        logps=None)

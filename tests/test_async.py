@@ -18,9 +18,8 @@ from accelerate import Accelerator
 
 from common.episodes import EpisodeArgs
 from common.models import ModelArgs
-from common.rollouts import RolloutStream, check_staleness
+from common.rollouts import RolloutArgs, RolloutStream, check_features
 from common.runtime import UserError, flags
-from common.sampler_correction import check_correction
 from tests.conftest import ROOT, run_script, sampling_logprobs, script_args
 from tests.test_multiprocess import TWO_PROCESSES
 from tests.test_sft import read_log
@@ -130,8 +129,8 @@ def test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken(tiny_mod
     dropped and counted; the next batch in data order comes instead (requested from the newest weights, with its
     own seeds)."""
     server = StandInServer()
-    args = SimpleNamespace(seed=1, max_staleness=1, max_prompt_length=8, model_name_or_path=tiny_model,
-                           model=ModelArgs(torch_dtype="float32"), episodes=EpisodeArgs())
+    args = SimpleNamespace(seed=1, max_prompt_length=8, model_name_or_path=tiny_model, episodes=EpisodeArgs(),
+                           model=ModelArgs(torch_dtype="float32"), rollouts=RolloutArgs(max_staleness=1))
     stream = RolloutStream(Accelerator(cpu=True), args, [], [], None, iter([[5, 6], [7, 8], [9, 10]]),
                            {"requested": 4, "in_flight": [(([3, 4], ["old"]), 1)]}, batch_size=2, model=None,
                            tokenizer=tokenizer, sampler=server, generate=None, logps=None)
@@ -154,8 +153,7 @@ def test_what_cannot_run_asynchronously_is_one_error(options, message):
     from algos import grpo
     args = script_args(grpo.Args, **options)
     with pytest.raises(UserError, match=message):
-        check_correction(args.correction, use_vllm=args.vllm.use_vllm, max_staleness=args.max_staleness)
-        check_staleness(args.max_staleness, Accelerator(cpu=True), args)
+        check_features(args, Accelerator(cpu=True))
 
 
 GRPO = ("grpo", ["--per_device_train_batch_size", "4", "--num_generations", "4", "--dynamic_sampling",

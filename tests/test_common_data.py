@@ -8,8 +8,8 @@ import sys
 import pytest
 from datasets import Dataset, DatasetDict
 
-from common.data import (check_columns, completion_text, encode_completion, encode_prompt, load_split,
-                         prompt_text)
+from common.data import (as_completions, check_columns, completion_text, encode_completion, encode_prompt,
+                         load_prompts, load_split, prompt_text)
 from common.runtime import UserError
 from tests.conftest import ROOT
 
@@ -73,6 +73,26 @@ def test_empty_split_is_an_error(tmp_path):
     Dataset.from_dict({"prompt": ["a"]}).filter(lambda r: False).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(UserError, match="split 'train' of dataset .* is empty"):
         load_split(str(tmp_path / "saved"), "train")
+
+
+def test_load_prompts_keeps_each_prompts_end_and_refuses_too_few_for_a_batch(tmp_path, tokenizer):
+    """The online scripts' prompts: each cut to its last max_tokens tokens (a TL;DR prompt ends in its question),
+    and a split that fills no batch of distinct prompts refused with the flags that size the batch."""
+    rows = [{"prompt": "one two three four five six seven eight nine ten"}, {"prompt": "a b"}, {"prompt": "c"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    got_rows, ids = load_prompts(tokenizer, path, "train", "grpo.py", 4, 3, "the flags")
+    assert got_rows == rows
+    for row, got in zip(rows, ids):
+        full = encode_prompt(tokenizer, row["prompt"])
+        assert got == full[-4:] and (len(full) <= 4 or got != full[:4])
+    with pytest.raises(UserError, match=r"3 prompts make no full batch of 4 prompts \(8 x 2 / 4\)"):
+        load_prompts(tokenizer, path, "train", "grpo.py", 4, 4, "8 x 2 / 4")
+
+
+def test_completions_are_messages_after_a_conversation_and_text_after_text():
+    chat = [{"role": "user", "content": "hi"}]
+    assert as_completions([chat, "TL;DR:"], ["hello", "short"]) == [[{"role": "assistant", "content": "hello"}],
+                                                                     "short"]
 
 
 def test_check_columns_picks_a_format_or_lists_them():

@@ -16,10 +16,10 @@ def test_scripts_in_a_copy_run_the_copys_common(tmp_path):
     for folder in ("algos", "common"):
         shutil.copytree(os.path.join(ROOT, folder), tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     with open(tmp_path / "common" / "runtime.py", "a") as f:  # the copy's edit: the first function main() calls
-        f.write("\n\ndef check_positive(flags):\n    print('the copy speaking', sorted(set(sys.modules) & "
+        f.write("\n\ndef check_flags(flags):\n    print('the copy speaking', sorted(set(sys.modules) & "
                 "{'peft', 'transformers.trainer_utils'}))\n    raise SystemExit(3)\n")
     # two scripts run (an offline and an online one; each run is mostly imports, ~5 s of CPU), and every script puts
-    # its tree first the same way; --learning_rate 0: the original's check_positive stops the run as fast (exit 2)
+    # its tree first the same way; --learning_rate 0: the original's check_flags stops the run as fast (exit 2)
     runs = {s: subprocess.Popen([sys.executable, f"algos/{s}.py", "--learning_rate", "0"], cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in ("sft", "grpo")}
     for script, run in runs.items():

@@ -85,6 +85,38 @@ def test_loss_types_against_the_formulas(loss_type, level):
     assert loss.item() == pytest.approx(aggregate(token_losses(level == "sequence"), loss_type), rel=1e-5)
 
 
+STATS_LOGPS = [[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -0.4]]
+# token ratios 1.25, 1.49, 0.61 (masked: 20) | 0.74, 1.65, 0.9, 0.7
+STATS_OLD = [[-1.223, -0.9, -1.5, -3.0], [0.0, -1.7, -0.6, -0.043]]
+STATS_REF = [[-0.8, -0.5, -2.5, 0.0], [-0.1, -1.0, -0.7, -0.9]]
+STATS_MASK = [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_statistics_kl_and_clipped_shares_hand_worked(level):
+    """grpo_loss's statistics, from the formulas over the 7 masked tokens: a ratio below 1 - epsilon counts for a
+    negative advantage only, above 1 + epsilon_high (here 1.28, so 1.25 is not) for a positive one."""
+    t = torch.tensor
+    adv = [1.0, -1.0]
+    _, stats = grpo.grpo_loss(t(STATS_LOGPS, requires_grad=True), t(STATS_OLD), t(STATS_REF), t(adv),
+                              t(STATS_MASK, dtype=torch.float), loss_type="bnpo", epsilon=0.2, epsilon_high=0.28,
+                              beta=0.3, importance_sampling_level=level)
+    low = high = kl = 0.0
+    for lp, old, ref, a, m in zip(STATS_LOGPS, STATS_OLD, STATS_REF, adv, STATS_MASK):
+        seq_ratio = math.exp(sum((x - o) * k for x, o, k in zip(lp, old, m)) / sum(m))
+        for x, o, r, k in zip(lp, old, ref, m):
+            ratio = seq_ratio if level == "sequence" else math.exp(x - o)
+            low += k * (ratio < 0.8 and a < 0)
+            high += k * (ratio > 1.28 and a > 0)
+            kl += k * (math.exp(r - x) - (r - x) - 1)
+    if level == "token":
+        assert (low, high) == (2, 1)  # the data exercise both sides
+    expected = {"clip_ratio/low_mean": low / 7, "clip_ratio/high_mean": high / 7,
+                "clip_ratio/region_mean": (low + high) / 7, "kl": kl / 7}
+    assert {k: v.item() for k, v in stats.items()} == pytest.approx(expected, rel=1e-5)
+    assert not any(v.requires_grad for v in stats.values())
+
+
 def test_importance_weights_scale_the_clipped_term_but_not_the_kl():
     t = torch.tensor
     weights = [[0.5, 2.0, 1.0], [1.5, 1.0, 0.25]]
@@ -97,9 +129,10 @@ def test_importance_weights_scale_the_clipped_term_but_not_the_kl():
 def test_with_one_iteration_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
     logps = torch.tensor(LOGPS, requires_grad=True)
     mask = torch.tensor(MASK, dtype=torch.float)
-    loss, ratio = grpo.grpo_loss(logps, logps.detach(), None, torch.tensor(ADV), mask, loss_type="bnpo")
+    loss, stats = grpo.grpo_loss(logps, logps.detach(), None, torch.tensor(ADV), mask, loss_type="bnpo")
     loss.backward()
-    assert torch.all(ratio == 1)
+    assert set(stats) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}  # beta 0: no kl
+    assert all(v == 0 for v in stats.values())  # ratio 1: nothing clipped
     # d/dlogp of -A * exp(logp - sg(logp)) at ratio 1 is -A, divided by the 5 tokens
     expected = [[-a * m / 5 for m in row] for a, row in zip(ADV, MASK)]
     assert torch.allclose(logps.grad, torch.tensor(expected))

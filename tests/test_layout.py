@@ -60,11 +60,7 @@ def test_the_core_imports_no_feature(module):
     assert not imported & {f"common.{f}" for f in FEATURES}
 
 
-OVER_32_KB = {"grpo": "35.5 KB on 2026-11-29: issue 56, item 5, not yet met (docs/layout.md)"}
-
-
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.xfail(reason=OVER_32_KB[s], strict=True))
-                                    if s in OVER_32_KB else s for s in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_script_is_at_most_600_lines_and_32_kb_its_args_a_quarter(script):
     source = read(f"algos/{script}.py")
     lines = source.splitlines()

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from algos import grpo, kto, online_dpo, ppo, rloo
-from common.generation import generate
+from algos import kto, online_dpo, ppo
+from common.generation import completion_logps, generate
 from common.models import load_policy
 from tests.conftest import sampling_logprobs
 
@@ -58,19 +58,18 @@ def policy(tiny_model, tokenizer):
     return load_policy(tiny_model, tokenizer).eval()
 
 
-@pytest.mark.parametrize("module", [grpo, rloo], ids=["grpo", "rloo"])
-def test_completion_logps_and_entropy_equal_each_rows_own_forward(module, policy, tokenizer):
+def test_completion_logps_and_entropy_equal_each_rows_own_forward(policy, tokenizer):
     input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
     with torch.no_grad():
-        logps, entropy = module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE, entropy=True)
-        assert torch.equal(module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE), logps)
+        logps, entropy = completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE, entropy=True)
+        assert torch.equal(completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE), logps)
     assert logps.shape == (len(PROMPTS), max(map(len, COMPLETIONS)))
     for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
         torch.testing.assert_close(logps[i, :len(c)], own_logprobs(policy, p, c, TEMPERATURE), atol=2e-5, rtol=0)
         probs = torch.softmax(own_logits(policy, p, c, TEMPERATURE), -1)
         torch.testing.assert_close(entropy[i, :len(c)], -(probs * probs.log()).sum(-1), atol=2e-5, rtol=0)
     # at temperature 1 the numbers are others (the temperature is applied, not ignored)
-    at_one = module.completion_logps(policy, input_ids, attention_mask, width, 1.0)
+    at_one = completion_logps(policy, input_ids, attention_mask, width, 1.0)
     assert (at_one[0, :4] - logps[0, :4]).abs().max() > 1e-2
 
 
@@ -78,14 +77,13 @@ TRUNCATIONS = [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.1, top_k=5, top_p=0.
 
 
 @pytest.mark.parametrize("truncation", TRUNCATIONS, ids=["top_k", "top_p", "min_p+top_k+top_p"])
-@pytest.mark.parametrize("module", [grpo, rloo], ids=["grpo", "rloo"])
-def test_completion_logps_under_truncation_equal_each_rows_own_forward(module, truncation, policy, tokenizer):
+def test_completion_logps_under_truncation_equal_each_rows_own_forward(truncation, policy, tokenizer):
     """The old, new and reference passes share completion_logps: with the sampling's truncation each
     token's log-probability is over the tokens it keeps (the tests' own rule, conftest.sampling_logprobs);
     these fixed completions mostly lie outside them, and count as kept."""
     input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
     with torch.no_grad():
-        logps = module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE, **truncation)
+        logps = completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE, **truncation)
     outside = 0
     for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
         z = own_logits(policy, p, c, TEMPERATURE)
@@ -93,7 +91,7 @@ def test_completion_logps_under_truncation_equal_each_rows_own_forward(module, t
         torch.testing.assert_close(logps[i, :len(c)], expected, atol=2e-5, rtol=0)
         outside += sum(sampling_logprobs(z[t], **truncation)[y].isinf().item() for t, y in enumerate(c))
     assert outside and logps.isfinite().all()
-    full = module.completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
+    full = completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
     assert (logps - full)[:, 0].min() > 1e-3  # renormalised over fewer tokens: each probability higher
 
 
@@ -107,7 +105,7 @@ def test_a_sampled_rollouts_logprobs_are_those_of_the_distribution_it_was_drawn_
                    **truncation)
     p_ids, p_mask, c_ids, c_mask = out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask
     with torch.no_grad():
-        logps = grpo.completion_logps(policy, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
+        logps = completion_logps(policy, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
                                       p_ids.shape[1], TEMPERATURE, **truncation)
     for i, p in enumerate(prompts):
         c = c_ids[i, :int(c_mask[i].sum())].tolist()

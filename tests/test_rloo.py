@@ -10,7 +10,7 @@ import torch
 
 from algos import rloo
 from common.runtime import UserError
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_script, script_args
 from tests.test_sft import read_log
 
 
@@ -170,7 +170,7 @@ def test_first_step_gradient_against_the_advantages_written_out(tmp_path, tiny_m
     args = rloo.Args(model_name_or_path=tiny_model, reward_model_paths=[],
                      reward_funcs=["tests.toy_rewards:short_or_none"],
                      per_device_train_batch_size=12, max_completion_length=8, token_level_kl=token_level,
-                     normalize_advantages=token_level, output_dir=str(tmp_path / "rloo"))
+                     normalize_advantages=token_level, temperature=0.7, output_dir=str(tmp_path / "rloo"))
     record, tokenizer, policy, ref, prompts, completions, _ = online_first_step(monkeypatch, rloo, args, tiny_model)
     assert len({len(c) for c in completions}) > 1  # padding in the batch
     words = [len(tokenizer.decode(c, skip_special_tokens=True).split()) for c in completions]
@@ -259,7 +259,8 @@ def test_max_staleness_alone_draws_each_rollout_ahead(tmp_path, tiny_model):
     """--max_staleness 1 without vLLM or tools still leaves the base path: the second rollout was drawn by the
     weights before the first update (staleness 0, then 1; tests/test_async.py has the numbers)."""
     out = str(tmp_path / "out")
-    rloo.main(rloo.Args(model_name_or_path=tiny_model, reward_model_paths=[], reward_funcs=["tests.toy_rewards:short"],
-                        per_device_train_batch_size=4, rloo_k=2, max_steps=2, max_completion_length=4, max_staleness=1,
-                        num_ppo_epochs=1, temperature=0.9, output_dir=out))
+    rloo.main(script_args(rloo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
+                          reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4, rloo_k=2,
+                          max_steps=2, max_completion_length=4, max_staleness=1, num_ppo_epochs=1, temperature=0.9,
+                          output_dir=out))
     assert [r["async/staleness"] for r in read_log(out)] == [0, 1]
