@@ -66,6 +66,7 @@ def test_online_dpo_with_a_judge_switches_beta_per_epoch(tmp_path, sft_model):
     assert all(r["objective/scores_margin"] == 1.0 for r in log), [r["objective/scores_margin"] for r in log]
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_online_dpo_learns_a_toy_reward(tmp_path, sft_model):
     out = str(tmp_path / "odpo")
     run_script("algos/online_dpo.py", "--model_name_or_path", sft_model, "--dataset_name", write_prompts(tmp_path, 64),

@@ -85,6 +85,7 @@ def test_reward_end_to_end_saves_a_loadable_classifier(tmp_path, sft_model):
     assert abs(log[-1]["eval_accuracy"] * len(examples) - correct) <= near + 1e-6, (log[-1]["eval_accuracy"], correct)
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_reward_learns_a_small_preference_set(tmp_path, sft_model):
     """Trained and evaluated on the same small set, the model must separate chosen from rejected."""
     out = str(tmp_path / "rm")

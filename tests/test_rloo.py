@@ -140,6 +140,7 @@ def test_rollout_not_divisible_by_k_fails_before_loading(tmp_path):
                             num_mini_batches=2, output_dir=str(tmp_path / "out")))
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_rloo_learns_a_toy_reward(tmp_path, sft_model):
     out = str(tmp_path / "rloo")
     run_script("algos/rloo.py", "--model_name_or_path", sft_model, "--reward_model_paths",

@@ -107,6 +107,7 @@ def test_win_rate_counts_ties_as_half():
     assert ci > 0
 
 
+@pytest.mark.long  # 17 s or more: in .ci/run's lane 1, out of the default suite
 def test_datasets_have_the_trl_lib_columns(tiny_task):
     data = tiny_tldr.TASK_DIR
     for split in tiny_tldr.SPLIT_SIZES:
