@@ -1,0 +1,37 @@
+"""Padding-free passes (--padding_free, TRL's name; issue 57, work in progress on this branch): the real tokens of a
+micro-batch's rows go into one sequence whose position ids restart at each row, so that no compute goes to padding.
+transformers (5.x: `masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position
+ids that restart when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's
+variable-length kernels), so no row attends to another. The per-token values come back in the padded layout the
+losses read; only the positions that predict a completion token go through the LM head."""
+
+import torch
+
+from common.generation import token_entropy_no_grad, token_logprobs
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """[B, T] rows (padded on either side) -> their real tokens in one row [1, N], position ids [1, N] restarting at
+    0 with each row, and each packed token's place in that row, [B, T] (-1 on padding)."""
+    real = attention_mask.bool()
+    place = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+    place[real] = torch.arange(int(real.sum()), device=input_ids.device)
+    return input_ids[real][None], (attention_mask.cumsum(-1) - 1)[real][None], place
+
+
+def packed_completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float,
+                            entropy: bool = False, **truncation):
+    """common.generation.completion_logps from one packed forward: the log-probability of each completion token
+    input_ids[:, prompt_width:] (prompts left-padded, completions after them) under logits / temperature, truncated
+    as sampling was; [B, T - prompt_width], 0 on padding (the padded pass gives padding a value the losses mask out).
+    entropy=True: also each position's entropy (no gradient)."""
+    ids, positions, place = pack(input_ids, attention_mask)
+    targets = attention_mask[:, prompt_width:].bool()  # completion tokens that are there
+    before = place[:, prompt_width - 1:-1][targets]  # the packed position that predicts each of them
+    logits = policy(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=before).logits
+    logps = token_logprobs(logits, input_ids[:, prompt_width:][targets][None], temperature, **truncation)[0]
+    out = torch.zeros(targets.shape, dtype=logps.dtype, device=logps.device).masked_scatter(targets, logps)
+    if not entropy:
+        return out
+    h = token_entropy_no_grad(logits, temperature)[0]
+    return out, torch.zeros(targets.shape, dtype=h.dtype, device=h.device).masked_scatter(targets, h)

@@ -1,0 +1,49 @@
+"""common/packing.py (issue 57, in progress): a packed pass gives the padded pass's per-token values and gradient,
+and no row sees another."""
+
+import pytest
+import torch
+
+from common.generation import completion_logps
+from common.models import load_policy
+from common.packing import pack, packed_completion_logps
+from tests.test_per_token_passes import COMPLETIONS, PROMPTS, TEMPERATURE, left_padded
+
+
+def test_pack_keeps_the_real_tokens_in_order_with_positions_restarting_per_row():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 0, 0], [1, 2, 3, 4, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    packed, positions, place = pack(ids, mask)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert place.tolist() == [[-1, -1, 0, 1, 2], [-1, 3, 4, -1, -1], [5, 6, 7, 8, -1]]
+
+
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
+def test_packed_logps_entropy_and_gradient_equal_the_padded_pass(tiny_model, tokenizer, truncation):
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    real = attention_mask[:, width:].bool()
+    results = []
+    for fn in (completion_logps, packed_completion_logps):
+        policy = load_policy(tiny_model, tokenizer).eval()
+        logps, entropy = fn(policy, input_ids, attention_mask, width, TEMPERATURE, entropy=True, **truncation)
+        (logps * real * torch.arange(1, real.shape[1] + 1)).sum().backward()  # weights differ per position
+        results.append((logps[real], entropy[real], [p.grad.clone() for p in policy.parameters()]))
+    (lp_a, h_a, g_a), (lp_b, h_b, g_b) = results
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_b, h_a, atol=1e-5, rtol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_a_rows_tokens_change_no_other_rows_packed_logps(tiny_model, tokenizer):
+    policy = load_policy(tiny_model, tokenizer).eval()
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = packed_completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
+        changed = input_ids.clone()
+        changed[2, width:width + 2] += 7  # row 2's completion (it sits between rows 1 and 3 in the packed row)
+        after = packed_completion_logps(policy, changed, attention_mask, width, TEMPERATURE)
+    others = [0, 1, 3]
+    assert torch.equal(after[others], before[others])
+    assert not torch.equal(after[2], before[2])
