@@ -5,9 +5,20 @@ ids that restart when the model is given no attention mask and no cache (SDPA, e
 variable-length kernels), so no row attends to another. The per-token values come back in the padded layout the
 losses read; only the positions that predict a completion token go through the LM head."""
 
+from dataclasses import dataclass
+
 import torch
+import tyro
 
 from common.generation import token_entropy_no_grad, token_logprobs
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --padding_free, not --packing.padding-free
+@dataclass
+class PackingArgs:
+    """padding-free training (common/packing.py)"""
+    padding_free: bool = False
+    """each micro-batch's rows in one sequence, position ids restarting per row: no compute on padding (TRL's name)"""
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -17,6 +28,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     place = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
     place[real] = torch.arange(int(real.sum()), device=input_ids.device)
     return input_ids[real][None], (attention_mask.cumsum(-1) - 1)[real][None], place
+
+
+def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+    """A micro-batch's causal-LM forward as one packed row: (logits [1, N, V], input_ids [1, N], loss_mask [1, N])
+    for a loss that reads logits[:, :-1] against input_ids[:, 1:] under loss_mask[:, 1:], each row's first token out
+    of it (no token of its own row predicts it). No cache: with one, transformers does not read the restarting
+    position ids as separate rows, and every row would attend to the rows before it."""
+    ids, positions, _ = pack(input_ids, attention_mask)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    return logits, ids, loss_mask[attention_mask.bool()][None] * (positions > 0)
 
 
 def packed_completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float,
