@@ -310,7 +310,7 @@ def main(args: Args):
         for input_ids, attention_mask, loss_mask in micro:
             with accelerator.accumulate(model):
                 if args.packing.padding_free:  # one packed row, position ids restarting per row
-                    logits, ids, mask = packed_forward(model, input_ids, attention_mask, loss_mask)
+                    logits, ids, mask, _ = packed_forward(model, input_ids, attention_mask, loss_mask)
                     loss = sft_loss(logits, ids, mask, num_tokens=num_tokens)
                 else:
                     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits

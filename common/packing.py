@@ -31,13 +31,29 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
-    """A micro-batch's causal-LM forward as one packed row: (logits [1, N, V], input_ids [1, N], loss_mask [1, N])
-    for a loss that reads logits[:, :-1] against input_ids[:, 1:] under loss_mask[:, 1:], each row's first token out
-    of it (no token of its own row predicts it). No cache: with one, transformers does not read the restarting
-    position ids as separate rows, and every row would attend to the rows before it."""
+    """A micro-batch's causal-LM forward as one packed row: (logits [1, N, V], input_ids [1, N], loss_mask [1, N],
+    each packed token's row [N]) for a loss that reads logits[:, :-1] against input_ids[:, 1:] under
+    loss_mask[:, 1:], each row's first token out of it (no token of its own row predicts it). No cache: with one,
+    transformers does not read the restarting position ids as separate rows, and every row would attend to the rows
+    before it."""
     ids, positions, _ = pack(input_ids, attention_mask)
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    return logits, ids, loss_mask[attention_mask.bool()][None] * (positions > 0)
+    real = attention_mask.bool()
+    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand_as(real)[real]
+    return logits, ids, loss_mask[real][None] * (positions > 0), rows
+
+
+def packed_sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          completion_mask: torch.Tensor):
+    """Per row from one packed forward: the summed log-probabilities of its completion tokens, their count, and the
+    mean logit over them (as dpo.py's and kto.py's padded passes give them)."""
+    logits, ids, mask, rows = packed_forward(model, input_ids, attention_mask, completion_mask)
+    mask, rows, n = mask[0, 1:], rows[1:], len(input_ids)
+    logps = token_logprobs(logits[:, :-1], ids[:, 1:])[0] * mask
+    counts = torch.zeros(n, dtype=mask.dtype, device=mask.device).index_add(0, rows, mask)
+    mean_logits = logits[0, :-1].detach().float().mean(-1) * mask
+    return (logps.new_zeros(n).index_add(0, rows, logps), counts,
+            mean_logits.new_zeros(n).index_add(0, rows, mean_logits) / counts)
 
 
 def packed_completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float,

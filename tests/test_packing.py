@@ -75,3 +75,22 @@ def test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_p
     padded, packed_run = logged
     assert packed_run["loss"] == pytest.approx(padded["loss"], rel=1e-5)
     assert packed_run["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+
+
+def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer):
+    """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length."""
+    from algos import dpo
+    examples = [([5, 6, 7, 8, 9, 10], [20, 21, 22], [23]), ([11, 12], [24, 25, 26, 27, 28, 29], [30, 31]),
+                ([13, 14, 15], [32], [33, 34, 35, 36])]
+    batch = dpo.collate(examples, tokenizer.pad_token_id)
+    results = []
+    for padding_free in (False, True):
+        policy = load_policy(tiny_model, tokenizer).eval()
+        chosen, rejected, counts, mean_logits = dpo.forward_pairs(policy, batch, False, padding_free)
+        (chosen * torch.tensor([1.0, 2.0, 3.0]) - rejected * torch.tensor([0.5, 1.5, 2.5])).sum().backward()
+        results.append((chosen, rejected, torch.stack(counts), torch.stack(mean_logits),
+                        [p.grad.clone() for p in policy.parameters()]))
+    for a, b in zip(*results):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            torch.testing.assert_close(y.detach(), x.detach(), atol=1e-5, rtol=1e-4)
+    assert results[0][2].tolist() == [[3, 6, 1], [1, 2, 4]]  # the completions' lengths, chosen then rejected
