@@ -94,3 +94,25 @@ def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gra
         for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
             torch.testing.assert_close(y.detach(), x.detach(), atol=1e-5, rtol=1e-4)
     assert results[0][2].tolist() == [[3, 6, 1], [1, 2, 4]]  # the completions' lengths, chosen then rejected
+
+
+@pytest.mark.parametrize("script", ["kto", "dpo"])
+def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_path, tiny_model, script):
+    """One step of kto.py (its KL reference point from mismatched pairs too) and of dpo.py on the tiny task's
+    preference pairs, padded and padding-free: the logged loss, the kl or reward margin, and the gradient norm agree
+    to 1e-5."""
+    import importlib
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    module = importlib.import_module(f"algos.{script}")
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        module.main(script_args(module.Args, model_name_or_path=tiny_model, dataset_name="tiny_tldr/tldr-preference",
+                                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                                logging_steps=1, num_sample_generations=0, eval_steps=10, dataset_test_split="",
+                                padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["loss", "grad_norm", "kl" if script == "kto" else "rewards/margins"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-5)
