@@ -116,3 +116,22 @@ def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient
     padded, packed_run = logged
     keys = ["loss", "grad_norm", "kl" if script == "kto" else "rewards/margins"]
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-5)
+
+
+def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model):
+    """rloo.py's first step, padded and padding-free (the old, reference and training passes packed): the same
+    samples, and the logged policy loss, kl, entropy and gradient norm agree to 1e-5."""
+    from algos import rloo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        rloo.main(script_args(rloo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
+                              reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4, rloo_k=2,
+                              max_steps=1, max_completion_length=12, num_ppo_epochs=2, temperature=0.7,
+                              padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["loss/policy_avg", "objective/kl", "objective/entropy", "grad_norm", "completions/mean_length"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
