@@ -56,17 +56,32 @@ def packed_sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.
             mean_logits.new_zeros(n).index_add(0, rows, mean_logits) / counts)
 
 
+def _completion_logits(policy, input_ids, attention_mask, prompt_width: int):
+    """From one packed forward: the logits before each completion token that is there, [1, M, V] (only those
+    positions go through the LM head), those tokens [1, M], and where they sit in input_ids[:, prompt_width:]."""
+    ids, positions, place = pack(input_ids, attention_mask)
+    targets = attention_mask[:, prompt_width:].bool()  # completion tokens that are there
+    before = place[:, prompt_width - 1:-1][targets]  # the packed position that predicts each of them
+    logits = policy(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=before).logits
+    return logits, input_ids[:, prompt_width:][targets][None], targets
+
+
+def packed_completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """gkd.py's completion_logits from one packed forward: (logits before each completion token [1, M, V], those
+    tokens [1, M], a mask of ones [1, M]), the M completion tokens of every row in a row."""
+    logits, labels, _ = _completion_logits(model, torch.cat([prompt_ids, completion_ids], 1),
+                                           torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1])
+    return logits, labels, torch.ones(labels.shape, device=labels.device)
+
+
 def packed_completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float,
                             entropy: bool = False, **truncation):
     """common.generation.completion_logps from one packed forward: the log-probability of each completion token
     input_ids[:, prompt_width:] (prompts left-padded, completions after them) under logits / temperature, truncated
     as sampling was; [B, T - prompt_width], 0 on padding (the padded pass gives padding a value the losses mask out).
     entropy=True: also each position's entropy (no gradient)."""
-    ids, positions, place = pack(input_ids, attention_mask)
-    targets = attention_mask[:, prompt_width:].bool()  # completion tokens that are there
-    before = place[:, prompt_width - 1:-1][targets]  # the packed position that predicts each of them
-    logits = policy(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=before).logits
-    logps = token_logprobs(logits, input_ids[:, prompt_width:][targets][None], temperature, **truncation)[0]
+    logits, labels, targets = _completion_logits(policy, input_ids, attention_mask, prompt_width)
+    logps = token_logprobs(logits, labels, temperature, **truncation)[0]
     out = torch.zeros(targets.shape, dtype=logps.dtype, device=logps.device).masked_scatter(targets, logps)
     if not entropy:
         return out
