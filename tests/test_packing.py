@@ -157,3 +157,22 @@ def test_a_gkd_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_mo
     keys = ["loss", "objective/kl", "logps/student", "logps/teacher", "grad_norm", "on_policy_ratio"]
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
     assert abs(padded["objective/kl"]) > 1e-3 and padded["grad_norm"] > 1e-3  # the teacher differs: values to match
+
+
+def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model):
+    """online_dpo.py's first step, padded and padding-free (policy and reference passes packed; a reference that
+    differs from the policy): loss, reward margin and gradient norm agree to 1e-5."""
+    from algos import online_dpo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        online_dpo.main(script_args(online_dpo.Args, model_name_or_path=sft_model, reward_model_paths=[],
+                                    reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
+                                    max_steps=2, max_new_tokens=12, padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[-1])
+    padded, packed_run = logged
+    keys = ["loss", "grad_norm", "rewards/margins"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert abs(padded["rewards/margins"]) > 1e-6  # step 2: the policy has moved from its reference
