@@ -41,6 +41,7 @@ from common.runtime import (UserError, check_flags, exit_on_user_error, flags, l
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given (docs/layout.md)
 from common.episodes import EpisodeArgs, episode_metrics, load_tools
+from common.packing import PackingArgs, packed_completion_logps
 from common.resume import resume
 from common.rollouts import RolloutArgs, RolloutStream, check_features
 from common.sampler_correction import SamplerCorrectionArgs, importance_metrics, importance_weights
@@ -140,12 +141,13 @@ class Args:
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
 
-    # flag groups, each defined in the module that reads it (flags unprefixed: --use_peft, --use_vllm, ...)
+    # flag groups, each in the module that reads it (flags unprefixed: --use_peft, --use_vllm, ...)
 
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     rollouts: RolloutArgs = field(default_factory=RolloutArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -268,7 +270,7 @@ def main(args: Args):
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size, rank = accelerator.num_processes, accelerator.process_index
     args.tracking.run_name = args.tracking.run_name or f"grpo__{args.seed}__{int(time.time())}"
-    # ---- batch sizes and the features' checks, before anything loads ----
+    # ---- batch sizes and features, checked before anything loads ----
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.generation_batch_size = local_size * args.world_size
     n_prompts = args.generation_batch_size // args.num_generations
@@ -298,7 +300,8 @@ def main(args: Args):
     logps_options = dict(temperature=args.temperature, **args.sampling.truncation())  # the distribution sampled
     sampling = dict(max_new_tokens=args.max_completion_length, repetition_penalty=args.sampling.repetition_penalty,
                     **logps_options)
-    batched = dict(batch_size=args.per_device_train_batch_size, **logps_options)
+    logps_of = packed_completion_logps if args.packing.padding_free else completion_logps
+    batched = dict(batch_size=args.per_device_train_batch_size, logps=logps_of, **logps_options)
     loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, beta=args.beta,
                         epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
                         importance_sampling_level=args.importance_sampling_level,
@@ -430,13 +433,13 @@ def main(args: Args):
         num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
         for s in micro:
             with accelerator.accumulate(model):
-                logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
-                                                  entropy=True, **logps_options)
+                logps, entropy = logps_of(model, r.input_ids[s], r.attention_mask[s], r.prompt_width, entropy=True,
+                                          **logps_options)
                 old = logps.detach() if r.old_logps is None else r.old_logps[s]  # mu == 1: ratio 1
                 ref_logps = None if r.ref_logps is None else r.ref_logps[s]
                 mask = r.loss_mask[s]
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                if r.sampler_logps is not None and corrected:  # (never with K >= 1)
+                if r.sampler_logps is not None and corrected:
                     is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
                                                               **corrected)
                     corrections.append(is_stats)

@@ -176,3 +176,25 @@ def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path,
     keys = ["loss", "grad_norm", "rewards/margins"]
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
     assert abs(padded["rewards/margins"]) > 1e-6  # step 2: the policy has moved from its reference
+
+
+def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_model):
+    """grpo.py's two steps on one generation batch (num_iterations 2: the sampling-time pass, the reference's with
+    beta 0.3 and the training passes packed), padded and padding-free: loss, kl, entropy, clipped shares and the
+    gradient norm agree to 1e-5."""
+    from algos import grpo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
+                              reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
+                              num_iterations=2, beta=0.3, temperature=0.7, learning_rate=1e-2, max_steps=2,
+                              padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out)))
+    keys = ["loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"]
+    for padded, packed_run in zip(*logged):
+        assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert logged[0][1]["kl"] > 1e-6  # the second step's policy has moved from its reference
