@@ -36,9 +36,9 @@ from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import as_completions, load_prompts
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.packing import PackingArgs, packed_completion_logps  # --padding_free
+from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
-from common.rewards import compute_rewards, import_function, load_reward_sources
+from common.rewards import compute_rewards, import_function, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
@@ -312,7 +312,9 @@ def main(args: Args):
                 columns = {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"}
                 completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
                 scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
-                                                     columns=columns, completion_ids=completion_ids)
+                                                     columns=columns, completion_ids=completion_ids,
+                                                     scores=packed_scores if args.packing.padding_free
+                                                     else last_token_scores)
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean
                     source_scores[name].append(values.to(accelerator.device))
