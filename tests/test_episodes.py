@@ -359,7 +359,8 @@ def episode_logps(model, prompt, pieces):
     return own_logprobs(model, prompt, completion), torch.tensor([float(own) for ids, own in pieces for _ in ids])
 
 
-@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+@pytest.mark.parametrize("padding_free", [False, pytest.param(True, marks=pytest.mark.long)],  # long: lane 1
+                         ids=["padded", "padding_free"])
 def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch,
                                                                          padding_free):
     """grpo.py at its defaults with --environment_factory and a scripted policy: the gradient of its first step

@@ -96,6 +96,7 @@ def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gra
     assert results[0][2].tolist() == [[3, 6, 1], [1, 2, 4]]  # the completions' lengths, chosen then rejected
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 @pytest.mark.parametrize("script", ["kto", "dpo"])
 def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_path, tiny_model, script):
     """One step of kto.py (its KL reference point from mismatched pairs too) and of dpo.py on the tiny task's
@@ -118,6 +119,7 @@ def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
     """rloo.py's first step, padded and padding-free (the old, reference and training passes packed, and the reward
     model's scores): the same samples, and the logged scores, policy loss, kl, entropy and gradient norm agree to
@@ -139,6 +141,7 @@ def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 @pytest.mark.parametrize("loss_type", ["jsd", "token_reward"])
 def test_a_gkd_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model, loss_type):
     """gkd.py's first step on its own samples and the dataset's completions, padded and padding-free (the student's
@@ -161,6 +164,7 @@ def test_a_gkd_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_mo
     assert abs(padded["objective/kl"]) > 1e-3 and padded["grad_norm"] > 1e-3  # the teacher differs: values to match
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model):
     """online_dpo.py's first step, padded and padding-free (policy and reference passes packed; a reference that
     differs from the policy): loss, reward margin and gradient norm agree to 1e-5."""
@@ -180,6 +184,7 @@ def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path,
     assert abs(padded["rewards/margins"]) > 1e-6  # step 2: the policy has moved from its reference
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_model):
     """grpo.py's two steps on one generation batch (num_iterations 2: the sampling-time pass, the reference's with
     beta 0.3 and the training passes packed), padded and padding-free: loss, kl, entropy, clipped shares and the
@@ -254,6 +259,7 @@ def test_ppo_policy_and_value_pass_packed_equals_the_padded_pass(tiny_model, tok
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 def test_a_reward_model_step_padding_free_gives_the_padded_steps_values(tmp_path, sft_model):
     """One step of reward.py (a fresh head; pairs of different lengths; gradient accumulation 2), padded and
     padding-free: loss, accuracy and gradient norm agree to 1e-5."""
@@ -293,6 +299,7 @@ def test_reward_evaluation_padding_free_reads_packed_scores_equal_to_the_padded_
     assert metrics[1] == pytest.approx(metrics[0], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
 def test_a_ppo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
     """ppo.py's first rollout, padded and padding-free (policy, reference, value and reward model passes packed; 2
     PPO epochs, temperature 0.7): the reward model's scores, kl, policy and value losses and the gradient norm agree
@@ -325,9 +332,10 @@ def _tiny(kind: str, attn: str):
     torch.manual_seed(0)
     config = configs[kind.removesuffix("-classifier")]
     config._attn_implementation = attn
-    cls = transformers.LlamaForSequenceClassification if kind == "llama-classifier" else \
-        transformers.AutoModelForCausalLM
-    return cls.from_config(config)
+    if kind == "llama-classifier":
+        config.num_labels = 1
+        return transformers.AutoModelForSequenceClassification.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
