@@ -50,6 +50,7 @@ from common.data import (NO_SHARED_START, check_columns, completion_text, encode
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_policy, load_tokenizer,
                            prepare_frozen, reference)
+from common.packing import PackingArgs, packed_sequence_logps  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -150,6 +151,7 @@ class Args:
     # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
@@ -248,21 +250,23 @@ def collate(examples, pad_id: int):
     return input_ids, attention_mask, completion_mask
 
 
-def forward_pairs(model, batch, mean_logps: bool):
+def forward_pairs(model, batch, mean_logps: bool, padding_free: bool = False):
     """(chosen logps, rejected logps, (chosen, rejected) token counts, mean logits of chosen / rejected completions)."""
     input_ids, attention_mask, completion_mask = batch
-    # logits from the column before the earliest completion token on; a pair's chosen and rejected
-    # rows share the prompt before it, so shifted_logits runs that part once per pair
-    start = max(int(completion_mask.argmax(1).min()) - 1, 0)
-    logits = shifted_logits(model, input_ids, attention_mask, start)  # aligned with input_ids[:, start + 1:]
-    input_ids, completion_mask = input_ids[:, start:], completion_mask[:, start:]
-    logps, counts = sequence_logps(logits, input_ids, completion_mask)
-    mask = completion_mask[:, 1:]
-    mean_logits = ((logits.detach().float().mean(-1) * mask).sum(-1) / counts).chunk(2)
+    if padding_free:  # one packed row, position ids restarting per row (common/packing.py)
+        logps, counts, mean_logits = packed_sequence_logps(model, input_ids, attention_mask, completion_mask)
+    else:
+        # logits from the column before the earliest completion token on; a pair's chosen and rejected
+        # rows share the prompt before it, so shifted_logits runs that part once per pair
+        start = max(int(completion_mask.argmax(1).min()) - 1, 0)
+        logits = shifted_logits(model, input_ids, attention_mask, start)  # aligned with input_ids[:, start + 1:]
+        input_ids, completion_mask = input_ids[:, start:], completion_mask[:, start:]
+        logps, counts = sequence_logps(logits, input_ids, completion_mask)
+        mean_logits = (logits.detach().float().mean(-1) * completion_mask[:, 1:]).sum(-1) / counts
     if mean_logps:
         logps = logps / counts
     chosen, rejected = logps.chunk(2)
-    return chosen, rejected, counts.chunk(2), mean_logits
+    return chosen, rejected, counts.chunk(2), mean_logits.chunk(2)
 
 
 def reference_state(ref_model, accelerator) -> dict:
@@ -354,7 +358,7 @@ def main(args: Args):
             return (torch.zeros(len(examples), device=accelerator.device),) * 2
         batch = tuple(t.to(accelerator.device) for t in collate(examples, tokenizer.pad_token_id))
         with reference(accelerator, model, ref_model) as ref:
-            chosen, rejected, _, _ = forward_pairs(ref, batch, mean_logps)
+            chosen, rejected, _, _ = forward_pairs(ref, batch, mean_logps, args.packing.padding_free)
         return chosen, rejected
 
     def precompute(examples):
@@ -402,7 +406,7 @@ def main(args: Args):
         pairs = [examples[i] for i in indices]
         batch = tuple(t.to(accelerator.device) for t in collate(pairs, tokenizer.pad_token_id))
         chosen, rejected, (chosen_counts, rejected_counts), (logits_c, logits_r) = forward_pairs(
-            policy, batch, mean_logps)
+            policy, batch, mean_logps, args.packing.padding_free)
         ref_c, ref_r = cached_ref[indices].unbind(1) if cached_ref is not None else reference_logps(pairs)
         losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_c, ref_r, **loss_options, bco_delta=bco_delta)
         loss, reward_sum = losses.mean(), reward_c.sum() + reward_r.sum()

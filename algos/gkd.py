@@ -52,6 +52,7 @@ from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
+from common.packing import PackingArgs, packed_completion_logits  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -129,6 +130,7 @@ class Args:
     # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
@@ -359,11 +361,19 @@ def main(args: Args):
         stats = defaultdict(float)
         for batch, (p_ids, p_mask, c_ids, c_mask, finished, sampled) in micro:
             with accelerator.accumulate(model):
-                student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask)
-                with torch.no_grad():
-                    teacher_logits = completion_logits(teacher, p_ids, p_mask, c_ids, c_mask)
-                loss, per_token = gkd_loss(student_logits, teacher_logits, c_ids, c_mask.float(), beta=args.beta,
+                ids, mask = c_ids, c_mask.float()
+                if args.packing.padding_free:  # the completion tokens of one packed row (common/packing.py)
+                    student_logits, ids, mask = packed_completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+                    with torch.no_grad():
+                        teacher_logits = packed_completion_logits(teacher, p_ids, p_mask, c_ids, c_mask)[0]
+                else:
+                    student_logits = completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+                    with torch.no_grad():
+                        teacher_logits = completion_logits(teacher, p_ids, p_mask, c_ids, c_mask)
+                loss, per_token = gkd_loss(student_logits, teacher_logits, ids, mask, beta=args.beta,
                                            loss_type=args.loss_type, num_tokens=num_tokens)
+                if args.packing.padding_free:  # back in the rows, for the samples table
+                    per_token = per_token.new_zeros(c_mask.shape).masked_scatter(c_mask.bool(), per_token[0])
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -373,12 +383,12 @@ def main(args: Args):
                 optimizer.step()
                 optimizer.zero_grad()
             with torch.no_grad():
-                logq = token_logprobs(student_logits.detach(), c_ids)
-                logp = token_logprobs(teacher_logits, c_ids)
+                logq = token_logprobs(student_logits.detach(), ids)
+                logp = token_logprobs(teacher_logits, ids)
             stats["loss"] += loss.detach()  # per-token means over the step's tokens, as the loss (any split)
-            stats["objective/kl"] += ((logq - logp) * c_mask).sum() / num_tokens  # sampled-token reverse KL
-            stats["logps/student"] += (logq * c_mask).sum() / num_tokens
-            stats["logps/teacher"] += (logp * c_mask).sum() / num_tokens
+            stats["objective/kl"] += ((logq - logp) * mask).sum() / num_tokens  # sampled-token reverse KL
+            stats["logps/student"] += (logq * mask).sum() / num_tokens
+            stats["logps/teacher"] += (logp * mask).sum() / num_tokens
             stats["on_policy_ratio"] += sampled.float().mean()
             stats["completions/mean_length"] += c_mask.sum(1).float().mean()
             stats["val/contain_eos_token"] += finished.float().mean()

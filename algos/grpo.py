@@ -35,12 +35,13 @@ from common.data import as_completions, load_prompts, prompt_batches
 from common.generation import (SamplingArgs, completion_logps, generate, pad, rollout_logps,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.rewards import compute_rewards, load_reward_sources
+from common.rewards import compute_rewards, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given (docs/layout.md)
 from common.episodes import EpisodeArgs, episode_metrics, load_tools
+from common.packing import PackingArgs, packed_completion_logps, packed_scores
 from common.resume import resume
 from common.rollouts import RolloutArgs, RolloutStream, check_features
 from common.sampler_correction import SamplerCorrectionArgs, importance_metrics, importance_weights
@@ -54,7 +55,7 @@ class Args:
     """G, completions sampled per prompt"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     """token loss and normaliser: grpo (per sequence, then batch), bnpo (local batch tokens), dr_grpo (batch x
-    max_completion_length), dapo (tokens of the whole global accumulated batch); cispo (as dapo), sapo (as grpo)"""
+    max_completion_length), dapo (the global accumulated batch's tokens); cispo (as dapo), sapo (as grpo)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the group std, the batch std, or nothing (Dr. GRPO)"""
     beta: float = 0.04
@@ -100,7 +101,7 @@ class Args:
     reward_model_paths: list[str] | None = None
     """reward models (one-output classifiers; default output/reward without --reward_funcs)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
+    """reward functions `module:function`, called as TRL does (None or NaN: unscored; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
     chat_template_path: str | None = None
@@ -140,12 +141,13 @@ class Args:
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
 
-    # flag groups, each defined in the module that reads it (flags unprefixed: --use_peft, --use_vllm, ...)
+    # flag groups, each in the module that reads it
 
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     rollouts: RolloutArgs = field(default_factory=RolloutArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -262,13 +264,13 @@ class Rollout:
 
 
 def main(args: Args):
-    check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
+    check_flags(args)  # before anything loads: sizes and rates > 0, a free output_dir
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
     args.world_size, rank = accelerator.num_processes, accelerator.process_index
     args.tracking.run_name = args.tracking.run_name or f"grpo__{args.seed}__{int(time.time())}"
-    # ---- batch sizes and the features' checks, before anything loads ----
+    # ---- batch sizes and features, checked before anything loads ----
     local_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.generation_batch_size = local_size * args.world_size
     n_prompts = args.generation_batch_size // args.num_generations
@@ -298,7 +300,9 @@ def main(args: Args):
     logps_options = dict(temperature=args.temperature, **args.sampling.truncation())  # the distribution sampled
     sampling = dict(max_new_tokens=args.max_completion_length, repetition_penalty=args.sampling.repetition_penalty,
                     **logps_options)
-    batched = dict(batch_size=args.per_device_train_batch_size, **logps_options)
+    logps_of, scores_of = ((packed_completion_logps, packed_scores) if args.packing.padding_free
+                           else (completion_logps, last_token_scores))
+    batched = dict(batch_size=args.per_device_train_batch_size, logps=logps_of, **logps_options)
     loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, beta=args.beta,
                         epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
                         importance_sampling_level=args.importance_sampling_level,
@@ -325,7 +329,7 @@ def main(args: Args):
 
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # episode: completions taken
     start_time, start_episode = time.time(), episode
-    # endless: this rank's share of each global batch (each prompt G times); resumed at the checkpoint's place
+    # endless: this rank's share of each global batch (each prompt G times), resumable
     prompts_iter = prompt_batches(len(rows), n_prompts, args.num_generations, seed=args.seed, rank=rank,
                                   local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.generation_batch_size)
@@ -338,11 +342,11 @@ def main(args: Args):
                                batch_size=args.generation_batch_size, **sampling,
                                logps=functools.partial(rollout_logps, **batched))  # the behaviour's (K >= 1)
 
-    # a rollout between two of its num_iterations passes is in a checkpoint (its sampling policy is gone)
+    # a rollout between two of its num_iterations passes is resumed from the checkpoint
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if stream and rollout is None:
-            stream.publish(model, step // args.num_iterations)  # the weights the next batches are drawn from
+            stream.publish(model, step // args.num_iterations)  # the weights the next batches come from
         pool = []  # dynamic sampling: the generation batches drawn, gathered
         while rollout is None:
             # ---- ROLLOUT: num_generations completions per prompt from the current policy ----
@@ -361,11 +365,11 @@ def main(args: Args):
             episode += args.generation_batch_size
             c_ids = samples.completion_ids
 
-            # ---- SCORE: rewards (NaN: no source scored it) less the missing-EOS and overlong penalties ----
+            # ---- SCORE: rewards (NaN: unscored) less the missing-EOS and overlong penalties ----
             columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
             rewards, per_source = compute_rewards(
                 sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,
-                columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)])
+                columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)], scores=scores_of)
             rewards = rewards.to(accelerator.device)
             if args.missing_eos_penalty is not None:
                 rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
@@ -430,13 +434,13 @@ def main(args: Args):
         num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
         for s in micro:
             with accelerator.accumulate(model):
-                logps, entropy = completion_logps(model, r.input_ids[s], r.attention_mask[s], r.prompt_width,
-                                                  entropy=True, **logps_options)
+                logps, entropy = logps_of(model, r.input_ids[s], r.attention_mask[s], r.prompt_width, entropy=True,
+                                          **logps_options)
                 old = logps.detach() if r.old_logps is None else r.old_logps[s]  # mu == 1: ratio 1
                 ref_logps = None if r.ref_logps is None else r.ref_logps[s]
                 mask = r.loss_mask[s]
                 is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
-                if r.sampler_logps is not None and corrected:  # (never with K >= 1)
+                if r.sampler_logps is not None and corrected:
                     is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
                                                               **corrected)
                     corrections.append(is_stats)
@@ -447,12 +451,12 @@ def main(args: Args):
                 pg_mask = top_entropy_mask(entropy, mask, args.top_entropy_quantile)  # the 80/20 rule
                 loss, loss_stats = grpo_loss(logps, old, ref_logps, r.advantages[s], mask, num_items_in_batch=num_items,
                                              token_weights=is_weights * pg_mask, **loss_options)
-                if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
+                if checkpointer.finite_loss(loss):  # DeepSpeed: backward steps the engine, check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not checkpointer.finite(loss=stats["loss"] + loss.detach(), grad_norm=grad_norm):
-                        optimizer.zero_grad()  # drop this update: the step below then changes nothing
+                        optimizer.zero_grad()  # drop this update: the step then changes nothing
                 optimizer.step()
                 optimizer.zero_grad()
             stats["loss"] += loss.detach()

@@ -39,6 +39,7 @@ from common.data import (NO_SHARED_START, check_columns, completion_text, encode
 from common.generation import decodes_here, generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen,
                            reference)
+from common.packing import PackingArgs, packed_sequence_logps  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -125,6 +126,7 @@ class Args:
     # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
@@ -224,18 +226,21 @@ def collate(examples, pad_id: int, max_length: int):
             torch.tensor([label for _, _, label in examples]))
 
 
-def logps_from(model, batch, device, share_prompts: bool = False):
+def logps_from(model, batch, device, share_prompts: bool = False, padding_free: bool = False):
     """Summed completion logprobs of a `build` batch. share_prompts: logits only from the column
     before the earliest completion token, so that rows holding the same prompt run it once
-    (shifted_logits); for a batch of distinct prompts the single plain forward is cheaper."""
+    (shifted_logits); for a batch of distinct prompts the single plain forward is cheaper.
+    padding_free: from one packed row, position ids restarting per row (common/packing.py)."""
     input_ids, attention_mask, completion_mask = (t.to(device) for t in batch)
+    if padding_free:
+        return packed_sequence_logps(model, input_ids, attention_mask, completion_mask)[0]
     start = max(int(completion_mask.argmax(1).min()) - 1, 0) if share_prompts else 0
     logits = shifted_logits(model, input_ids, attention_mask, start)
     return sequence_logps(logits, input_ids[:, start:], completion_mask[:, start:])
 
 
 @torch.no_grad()
-def kl_logratios(policy, reference_scope, examples, *, pad_id: int, max_length: int, device):
+def kl_logratios(policy, reference_scope, examples, *, pad_id: int, max_length: int, device, padding_free=False):
     """log pi - log pi_ref of a micro-batch's mismatched pairs (prompt i with completion i - 1, from
     kl_pairs: the reference point must not see a row's own completion), and the reference's logps of
     the rows themselves. `reference_scope`: a context that yields the reference model (with LoRA, the
@@ -243,8 +248,8 @@ def kl_logratios(policy, reference_scope, examples, *, pad_id: int, max_length: 
     row share prompt i."""
     rows, mismatched = [(p, c) for p, c, _ in examples], kl_pairs(examples, max_length)
     with reference_scope as ref:
-        ref_logps = logps_from(ref, build(rows + mismatched, pad_id), device, share_prompts=True)
-    kl_logps = logps_from(policy, build(mismatched, pad_id), device)
+        ref_logps = logps_from(ref, build(rows + mismatched, pad_id), device, True, padding_free)
+    kl_logps = logps_from(policy, build(mismatched, pad_id), device, padding_free=padding_free)
     return kl_logps - ref_logps[len(rows):], ref_logps[:len(rows)]
 
 
@@ -327,15 +332,15 @@ def main(args: Args):
         ref_logps: the reference's logps of the rows, when kl_logratios has them already."""
         batch, _, labels = collate(examples, tokenizer.pad_token_id, args.max_length)
         labels = labels.to(accelerator.device)
-        logps = logps_from(policy, batch, accelerator.device)
+        logps = logps_from(policy, batch, accelerator.device, padding_free=args.packing.padding_free)
         if kl is None and args.loss_type == "kto":
             kl_ratios, ref_logps = kl_logratios(policy, reference(accelerator, model, ref_model), examples,
                                                 pad_id=tokenizer.pad_token_id, max_length=args.max_length,
-                                                device=accelerator.device)
+                                                device=accelerator.device, padding_free=args.packing.padding_free)
             kl = kl_reference_point(kl_ratios, 0.0)
         if ref_logps is None:
             with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
-                ref_logps = logps_from(ref, batch, accelerator.device)
+                ref_logps = logps_from(ref, batch, accelerator.device, padding_free=args.packing.padding_free)
         if kl is None:
             kl = torch.zeros((), device=accelerator.device)
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, beta=args.beta, desirable_weight=args.desirable_weight,
@@ -410,7 +415,8 @@ def main(args: Args):
         if args.loss_type == "kto":
             kl_ratios, ref_logps = zip(*[kl_logratios(model, reference(accelerator, model, ref_model), m,
                                                       pad_id=tokenizer.pad_token_id, max_length=args.max_length,
-                                                      device=accelerator.device) for m in micro])
+                                                      device=accelerator.device,
+                                                      padding_free=args.packing.padding_free) for m in micro])
             z0 = kl_reference_point(accelerator.gather(torch.cat(kl_ratios)), 0.0)
         totals = defaultdict(float)  # name -> sum over micro-batches
         for examples, ref_m in zip(micro, ref_logps):

@@ -36,8 +36,9 @@ from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import as_completions, load_prompts
 from common.generation import generate, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
+from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
-from common.rewards import compute_rewards, import_function, load_reward_sources
+from common.rewards import compute_rewards, import_function, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
@@ -121,6 +122,7 @@ class Args:
     # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
@@ -187,8 +189,12 @@ def online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected
     return losses, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
-def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, *, prompt_width):
-    """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself)."""
+def sequence_logps(policy, input_ids, attention_mask, completion_ids, completion_mask, *, prompt_width,
+                   padding_free: bool = False):
+    """Summed completion logprobs per row, at temperature 1 (the DPO objective is about pi itself); padding_free:
+    from one packed row, position ids restarting per row (common/packing.py)."""
+    if padding_free:
+        return (packed_completion_logps(policy, input_ids, attention_mask, prompt_width, 1.0) * completion_mask).sum(-1)
     logits = shifted_logits(policy, input_ids, attention_mask, prompt_width - 1)
     return (token_logprobs(logits, completion_ids) * completion_mask).sum(-1)
 
@@ -306,7 +312,9 @@ def main(args: Args):
                 columns = {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"}
                 completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
                 scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
-                                                     columns=columns, completion_ids=completion_ids)
+                                                     columns=columns, completion_ids=completion_ids,
+                                                     scores=packed_scores if args.packing.padding_free
+                                                     else last_token_scores)
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean
                     source_scores[name].append(values.to(accelerator.device))
@@ -321,9 +329,11 @@ def main(args: Args):
 
             # ---- UPDATE: the DPO loss on (chosen, rejected) against the reference ----
             with accelerator.accumulate(model):
-                logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width)
+                logps = sequence_logps(model, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width,
+                                       padding_free=args.packing.padding_free)
                 with torch.no_grad(), reference(accelerator, model, ref_model) as ref:
-                    ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width)
+                    ref_logps = sequence_logps(ref, input_ids, attention_mask, c_ids, c_mask, prompt_width=prompt_width,
+                                               padding_free=args.packing.padding_free)
                 losses, reward_c, reward_r = online_dpo_loss(logps[rows_c], logps[rows_r], ref_logps[rows_c],
                                                              ref_logps[rows_r], beta=beta, loss_type=args.loss_type)
                 loss = (losses * ranked).sum() / len(losses)

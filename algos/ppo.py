@@ -36,8 +36,10 @@ from common.generation import (generate, real_positions, shifted_logits, token_e
                                unwrapped_for_generation)
 from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, load_reward_model, load_tokenizer,
                            prepare_frozen)
+from common.packing import (PackingArgs, packed_completion_logps, packed_logits_and_values,  # --padding_free
+                            packed_scores)
 from common.resume import resume  # --resume_from_checkpoint
-from common.rewards import compute_rewards, load_reward_sources
+from common.rewards import compute_rewards, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights
@@ -138,6 +140,7 @@ class Args:
     # shared groups, each defined where it is read: common/{models,vllm,sampler_correction,checkpoint,tracking}.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -205,9 +208,9 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float):
 class PolicyAndValue(torch.nn.Module):
     """Policy and value model in one module, so that one DDP wrapper syncs both gradients."""
 
-    def __init__(self, policy, value_model):
+    def __init__(self, policy, value_model, padding_free: bool = False):
         super().__init__()
-        self.policy, self.value_model = policy, value_model
+        self.policy, self.value_model, self.padding_free = policy, value_model, padding_free
         # FSDP shards each of these layers alone (accelerate reads them from the model, as for a HF model)
         self._no_split_modules = sorted({*(policy._no_split_modules or ()), *(value_model._no_split_modules or ())})
 
@@ -215,6 +218,8 @@ class PolicyAndValue(torch.nn.Module):
         """Response-token logits and values V(s_t) before each response token. The logits as the policy gives
         them (bf16 under mixed precision): they are divided by the temperature in fp32, by token_logprobs, as the
         reference's are (dividing in bf16 rounded the policy's alone, and the step-1 KL was not 0)."""
+        if self.padding_free:  # each model on one packed row, position ids restarting per row (common/packing.py)
+            return packed_logits_and_values(self.policy, self.value_model, input_ids, attention_mask, prompt_width)
         logits = shifted_logits(self.policy, input_ids, attention_mask, prompt_width - 1, share_prefix=False)
         position_ids = real_positions(attention_mask)  # as shifted_logits does for the policy
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
@@ -232,17 +237,20 @@ def rollout_pass(model, ref_model, input_ids, attention_mask, *, prompt_width: i
     log pi_ref(y_t), both from the logits before y_t divided by the sampling temperature, and V(s_t),
     the value of the state before y_t. `model`: a PolicyAndValue (possibly wrapped for DDP);
     `ref_model` None: the policy with its LoRA adapters off."""
-    policy, outs = getattr(model, "module", model).policy, []
+    inner = getattr(model, "module", model)
+    policy, outs = inner.policy, []
     response_ids = input_ids[:, prompt_width:]
     for i in range(0, len(input_ids), chunk_size):
         s = slice(i, i + chunk_size)
         logits, values = model(input_ids[s], attention_mask[s], prompt_width)
         with contextlib.nullcontext() if ref_model is not None else policy.disable_adapter():  # LoRA: adapters off
-            ref_logits = shifted_logits(policy if ref_model is None else ref_model, input_ids[s], attention_mask[s],
-                                        prompt_width - 1, share_prefix=False)
-        outs.append((token_logprobs(logits, response_ids[s], temperature),
-                     token_logprobs(ref_logits, response_ids[s], temperature),
-                     values))
+            ref = policy if ref_model is None else ref_model
+            if inner.padding_free:
+                ref_logps = packed_completion_logps(ref, input_ids[s], attention_mask[s], prompt_width, temperature)
+            else:
+                ref_logps = token_logprobs(shifted_logits(ref, input_ids[s], attention_mask[s], prompt_width - 1,
+                                                          share_prefix=False), response_ids[s], temperature)
+        outs.append((token_logprobs(logits, response_ids[s], temperature), ref_logps, values))
     return tuple(torch.cat(x) for x in zip(*outs))
 
 
@@ -302,7 +310,7 @@ def main(args: Args):
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
                                            accelerator)
-    model = PolicyAndValue(policy, value_model)
+    model = PolicyAndValue(policy, value_model, args.packing.padding_free)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
     # the scheduler is not prepared: accelerate would step it once per process per call
@@ -375,7 +383,8 @@ def main(args: Args):
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"}
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)]
         scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,
-                                             columns=columns, completion_ids=completion_ids)
+                                             columns=columns, completion_ids=completion_ids,
+                                             scores=packed_scores if args.packing.padding_free else last_token_scores)
         scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:
             scores = torch.where(finished, scores, torch.full_like(scores, args.penalty_reward_value))

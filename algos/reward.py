@@ -32,6 +32,7 @@ from common.data import (NO_SHARED_START, check_columns, encode_completion, enco
                          split_implicit_prompt)
 from common.generation import decodes_here, pad, unwrapped_for_generation
 from common.models import ModelArgs, adapt, deepspeed_stage, hint_learning_rate, load_reward_model, load_tokenizer
+from common.packing import PackingArgs, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.rewards import last_token_scores
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
@@ -101,6 +102,7 @@ class Args:
     # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
@@ -155,10 +157,12 @@ def collate(examples, pad_id: int):
             torch.tensor([m for _, _, _, m in examples]), p_ids.shape[1])
 
 
-def rewards_of(model, batch, device):
-    """(chosen rewards, rejected rewards, margins) of a batch from `collate`."""
+def rewards_of(model, batch, device, padding_free: bool = False):
+    """(chosen rewards, rejected rewards, margins) of a batch from `collate`; padding_free: all its rows' scores
+    from one packed row, position ids restarting per row (common/packing.py)."""
     input_ids, attention_mask, margin, width = batch
-    chosen, rejected = last_token_scores(model, input_ids.to(device), attention_mask.to(device), width).chunk(2)
+    scores = packed_scores if padding_free else last_token_scores
+    chosen, rejected = scores(model, input_ids.to(device), attention_mask.to(device), width).chunk(2)
     return chosen, rejected, margin.to(device)
 
 
@@ -183,8 +187,8 @@ def evaluate(model, eval_examples, args, tokenizer, accelerator):
     world = accelerator.num_processes
     shard = eval_examples[:len(eval_examples) - len(eval_examples) % world][accelerator.process_index::world]
     for i in range(0, len(shard), args.per_device_eval_batch_size):
-        chosen, rejected, margin = rewards_of(model, collate(shard[i:i + args.per_device_eval_batch_size],
-                                                            tokenizer.pad_token_id), accelerator.device)
+        batch = collate(shard[i:i + args.per_device_eval_batch_size], tokenizer.pad_token_id)
+        chosen, rejected, margin = rewards_of(model, batch, accelerator.device, args.packing.padding_free)
         sums["eval_accuracy"] += (chosen > rejected).float().sum()
         sums["eval_loss"] += reward_loss(chosen, rejected, margin) * len(chosen)
         sums["eval_rewards/chosen"] += chosen.sum()
@@ -282,7 +286,7 @@ def main(args: Args):
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches)
             with accelerator.accumulate(model):
-                chosen, rejected, margin = rewards_of(model, batch, accelerator.device)
+                chosen, rejected, margin = rewards_of(model, batch, accelerator.device, args.packing.padding_free)
                 loss = reward_loss(chosen, rejected, margin, center_rewards_coefficient=args.center_rewards_coefficient)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)

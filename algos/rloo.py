@@ -44,12 +44,13 @@ from common.data import as_completions, load_prompts, prompt_batches
 from common.generation import (SamplingArgs, completion_logps, generate, rollout_logps,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.rewards import compute_rewards, load_reward_sources
+from common.rewards import compute_rewards, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given
 from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
+from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.rollouts import RolloutArgs, RolloutStream, check_features  # --use_vllm, multi-turn, --max_staleness
 from common.sampler_correction import SamplerCorrectionArgs, importance_weights  # --vllm_importance_*
@@ -144,6 +145,7 @@ class Args:
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     rollouts: RolloutArgs = field(default_factory=RolloutArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     correction: SamplerCorrectionArgs = field(default_factory=SamplerCorrectionArgs)
@@ -252,7 +254,9 @@ def main(args: Args):
     truncation = args.sampling.truncation()  # the sampling's, and the logprobs'
     sampling = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                     repetition_penalty=args.sampling.repetition_penalty, **truncation)
-    logps_options = dict(batch_size=per_device, temperature=args.temperature, **truncation)
+    logps_of, scores_of = ((packed_completion_logps, packed_scores) if args.packing.padding_free  # --padding_free
+                           else (completion_logps, last_token_scores))
+    logps_options = dict(batch_size=per_device, temperature=args.temperature, logps=logps_of, **truncation)
     loss_options = dict(cliprange=args.cliprange, loss_type=args.loss_type,
                         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
@@ -313,7 +317,8 @@ def main(args: Args):
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
         scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
                                              columns=columns,
-                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)])
+                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)],
+                                             scores=scores_of)
         scores = scores.to(accelerator.device)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~finished).float()
@@ -369,8 +374,8 @@ def main(args: Args):
                     idx = order[first:first + per_device]
                     m, old = all_mask[idx], old_logps[idx]
                     with accelerator.accumulate(model):
-                        logps, entropy = completion_logps(model, input_ids[idx], attention_mask[idx], prompt_width,
-                                                          args.temperature, entropy=True, **truncation)
+                        logps, entropy = logps_of(model, input_ids[idx], attention_mask[idx], prompt_width,
+                                                  args.temperature, entropy=True, **truncation)
                         loss, ratio, clipped = rloo_loss(logps, old, advantages[idx], m, token_weights=is_weights[idx],
                                                          **loss_options)
                         if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first

@@ -28,6 +28,7 @@ from common.data import (check_columns, encode_completion, encode_prompt, is_con
                          without_nulls)
 from common.generation import decodes_here, generate, pad, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer
+from common.packing import PackingArgs, packed_forward  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -99,6 +100,7 @@ class Args:
     # shared groups, each defined where it is read: common/models.py, common/checkpoint.py, common/tracking.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
 
@@ -307,8 +309,12 @@ def main(args: Args):
         total_loss = torch.zeros((), device=accelerator.device)
         for input_ids, attention_mask, loss_mask in micro:
             with accelerator.accumulate(model):
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                loss = sft_loss(logits, input_ids, loss_mask, num_tokens=num_tokens)
+                if args.packing.padding_free:  # one packed row, position ids restarting per row
+                    logits, ids, mask, _ = packed_forward(model, input_ids, attention_mask, loss_mask)
+                    loss = sft_loss(logits, ids, mask, num_tokens=num_tokens)
+                else:
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    loss = sft_loss(logits, input_ids, loss_mask, num_tokens=num_tokens)
                 if checkpointer.finite_loss(loss):  # under DeepSpeed backward steps the engine: check first
                     accelerator.backward(loss)
                 if accelerator.sync_gradients:

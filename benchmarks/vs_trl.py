@@ -23,9 +23,11 @@ are timed per rollout and divided by the updates in it.
     python benchmarks/vs_trl.py                                 # tiny task, all scripts, 2 runs of 12 steps
     python benchmarks/vs_trl.py --scripts sft dpo --runs 3 --steps 20
     python benchmarks/vs_trl.py --model smollm2 --runs 2 --steps 4   # every script on SmolLM2-135M-Instruct
+    python benchmarks/vs_trl.py --padding_free      # both sides padding-free, where TRL has it (TRL_PADDING_FREE)
 
-Writes benchmarks/results/vs_trl.json and vs_trl.md (one section per --model; a new run replaces its
-model's section, or with --scripts naming some of them, only their rows, and the section lists the rerun).
+Writes benchmarks/results/vs_trl.json and vs_trl.md (one section per --model, another per --model with
+--padding_free; a new run replaces its section, or with --scripts naming some of them, only their rows, and the
+section lists the rerun).
 The ratio is TRL's seconds per step over ours: above 1, ours is faster.
 """
 
@@ -67,6 +69,15 @@ TRL_TRAINERS = {
     "ppo": ("trl", "PPOTrainer", "PPOConfig"),  # gone from trl and trl.experimental by 1.16: skipped
 }
 ONLINE = ("grpo", "rloo", "online_dpo")
+# --padding_free: TRL's config fields for it, where TRL 1.16 trains padding-free. SFTTrainer flattens a batch into
+# one row with position ids restarting per row (and flash-attention's cu_seq_lens, unused by SDPA); without packing
+# it raises unless max_length=None (it would not truncate): the data must fit, as longest_in_tokens shows
+TRL_PADDING_FREE = {"sft": {"padding_free": True, "max_length": None}}
+NO_TRL_PADDING_FREE = {
+    "dpo": "DPOConfig has padding_free, but TRL 1.16's DPOTrainer warns that it is disabled since a refactor and "
+           "trains padded",
+    **dict.fromkeys(("reward", "kto", "grpo", "rloo", "online_dpo"), "TRL 1.16's config has no padding_free"),
+    "ppo": "no --padding_free in algos/ppo.py (and no PPOTrainer in TRL 1.16)"}
 
 # ---------------------------------------------------------------------------------------------
 # SETTINGS: one set of numbers per script, given to our script as flags and to TRL as config fields
@@ -142,6 +153,15 @@ NOT_MATCHED = [
     "Peak RSS is the whole process: Python, imports (TRL imports more), data, models, optimizer state.",
 ]
 
+PADDING_FREE_NOT_MATCHED = [
+    "Padding-free (--padding_free): both sides put a micro-batch's rows in one row with position ids restarting "
+    "per row and no attention mask; with SDPA (no flash-attention on a CPU) transformers builds the block-diagonal "
+    "mask from those position ids on both sides. TRL's collator also passes cu_seq_lens / max_length (for "
+    "flash-attention's variable-length kernels; SDPA ignores them) and takes max_length=None (it refuses "
+    "padding_free with a max_length it would not enforce): ours keeps --max_length, which the data does not reach "
+    "(longest in tokens).",
+]
+
 
 @dataclass
 class Args:
@@ -168,6 +188,9 @@ class Args:
     """a line for the report (e.g. 'busy shared machine')"""
     timeout: int = 1800
     """seconds one process may take before it is stopped"""
+    padding_free: bool = False
+    """both sides padding-free (ours --padding_free, TRL padding_free=True: TRL_PADDING_FREE), for the scripts where
+    TRL has it; its own section '<model> --padding_free' in the results"""
 
 
 def script_defaults(script: str) -> dict:
@@ -372,14 +395,15 @@ def run_trl(spec: dict):
     trainer.train()
 
 
-def spawn(spec: dict, spec_path: str, timeout: int) -> float:
-    """Run one child to the end; its peak RSS in MiB (os.wait4: this process alone, not the other children)."""
+def spawn(spec: dict, spec_path: str, timeout: int, child: str = "benchmarks.vs_trl") -> float:
+    """Run one child to the end (`child`'s run_child on the spec); its peak RSS in MiB (os.wait4: this process
+    alone, not the other children)."""
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(spec["threads"]))
     with open(spec_path + ".log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from benchmarks.vs_trl import run_child; "
+        proc = subprocess.Popen([sys.executable, "-c", f"import sys; from {child} import run_child; "
                                  "run_child(sys.argv[1])", spec_path], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     timer = threading.Timer(timeout, proc.kill)
@@ -447,7 +471,8 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
     """`runs` interleaved runs per side of one pair: per-run clocks and peak RSS, and their medians."""
     settings = settings_for(script, args.model)
     per = updates_per_step(script, settings)
-    config = trl_config(settings, script, args.steps)
+    config = trl_config(settings, script, args.steps) | (TRL_PADDING_FREE[script] if args.padding_free else {})
+    ours_extra = ["--padding_free"] if args.padding_free else []
     runs = {"ours": [], "trl": []}
     os.makedirs(os.path.join(work, script), exist_ok=True)
     for run in range(args.runs):
@@ -456,7 +481,7 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
             spec = {"side": side, "script": script, "threads": args.threads, "steps": args.steps, "model": model_path,
                     "data": data_file}
             if side == "ours":
-                spec["argv"] = our_argv(script, settings, args.steps, model_path, data_file, out)
+                spec["argv"] = our_argv(script, settings, args.steps, model_path, data_file, out) + ours_extra
                 clock, readings = os.path.join(out, "logs", "vs_trl.jsonl"), 1
             else:
                 clock, readings = os.path.join(work, script, f"trl-{run}.clock.jsonl"), per
@@ -474,7 +499,8 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
                     runs[side][-1]["facts"] = json.load(f)
     summary = {side: {"seconds_per_update": statistics.median(r["seconds_per_update"] for r in rs),
                       "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs)} for side, rs in runs.items()}
-    command = our_argv(script, settings, args.steps, model_path, data_file, os.path.join(work, script, "ours-0"))
+    command = our_argv(script, settings, args.steps, model_path, data_file,
+                       os.path.join(work, script, "ours-0")) + ours_extra
     return {"trl_trainer": ".".join(TRL_TRAINERS[script][:2]), "settings": settings, "updates_per_step": per,
             "ours_only": list(NOT_IN_TRL.get(script, ())), "trl_config": config,
             "our_command": f"python algos/{script}.py {shell(command)}".replace(work, "<work_dir>").replace(
@@ -583,6 +609,8 @@ def main(args: Args) -> dict:
     if trl.__version__ != TRL_VERSION:
         print(f"warning: TRL {trl.__version__}, not the pinned {TRL_VERSION}", file=sys.stderr)
     skipped = {s: why for s in args.scripts if (why := trl_missing(s))}
+    if args.padding_free:
+        skipped |= {s: NO_TRL_PADDING_FREE[s] for s in args.scripts if s in NO_TRL_PADDING_FREE and s not in skipped}
     for script, why in skipped.items():
         print(f"skipping {script}: {why}", flush=True)
     work = args.work_dir or tempfile.mkdtemp(prefix="vs_trl-")
@@ -600,8 +628,8 @@ def main(args: Args) -> dict:
             shutil.rmtree(work, ignore_errors=True)
     section = {"date": datetime.date.today().isoformat(), "machine": machine(), "versions": versions(),
                "note": args.note, "command": shlex.join(["python", "benchmarks/vs_trl.py", *sys.argv[1:]]),
-               "args": dataclasses.asdict(args), "skipped": skipped, "matched": MATCHED, "not_matched": NOT_MATCHED,
-               "results": results}
+               "args": dataclasses.asdict(args), "skipped": skipped, "matched": MATCHED,
+               "not_matched": NOT_MATCHED + (PADDING_FREE_NOT_MATCHED if args.padding_free else []), "results": results}
     print(table(results))
     if args.results_dir:
         path = os.path.join(args.results_dir, "vs_trl.json")
@@ -609,7 +637,8 @@ def main(args: Args) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 report = json.load(f)
-        old = report.get(args.model)
+        key = args.model + (" --padding_free" if args.padding_free else "")  # padded rows stay in their section
+        old = report.get(key)
         if old and set(args.scripts) < set(MODELS[args.model]):  # a rerun of some scripts: the others' rows stay
             merged = {**old["results"], **results}
             section.update(results={s: merged[s] for s in MODELS[args.model] if s in merged},
@@ -617,7 +646,7 @@ def main(args: Args) -> dict:
                            note=old["note"], reruns=[*old.get("reruns", []), {
                                "date": section["date"], "command": section["command"], "note": section["note"],
                                "scripts": list(results)}])
-        report[args.model] = section
+        report[key] = section
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)

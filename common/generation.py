@@ -288,10 +288,11 @@ def completion_logps(policy, input_ids, attention_mask, prompt_width: int, tempe
 
 @torch.no_grad()
 def rollout_logps(policy, input_ids, attention_mask, prompt_width: int, batch_size: int, temperature: float,
-                  **truncation):
-    """completion_logps without gradients, batch_size rows at a time (old, reference and behaviour logprobs)."""
-    return torch.cat([completion_logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
-                                       prompt_width, temperature, **truncation)
+                  logps=completion_logps, **truncation):
+    """completion_logps (or `logps`, a pass like it) without gradients, batch_size rows at a time (old, reference and
+    behaviour logprobs)."""
+    return torch.cat([logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
+                            prompt_width, temperature, **truncation)
                       for i in range(0, len(input_ids), batch_size)])
 
 

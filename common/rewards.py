@@ -70,8 +70,9 @@ def last_token_scores(model, input_ids, attention_mask, prefix: int = 0) -> torc
 
 
 @torch.no_grad()
-def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 64) -> torch.Tensor:
-    """The reward model's scalar for each (prompt, completion), in its own tokens."""
+def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 64, scores=last_token_scores):
+    """The reward model's scalar for each (prompt, completion), in its own tokens; `scores`: the pass that reads
+    them (common/packing.packed_scores with --padding_free)."""
     max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", None) or 10**9)
     pairs = []  # (prompt, completion) tokens, the prompt cut from the left to fit max_length
     for p, c in zip(prompts, completions):
@@ -79,25 +80,26 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
         prompt = encode_prompt(tokenizer, p)
         pairs.append((prompt[max(0, len(prompt) + len(completion) - max_length):], completion))
     device = next(model.parameters()).device
-    scores = []
+    out = []
     for i in range(0, len(pairs), batch_size):  # a prompt block, then a completion block, each left-padded
         p_ids, p_mask = pad([p for p, _ in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
         c_ids, c_mask = pad([c for _, c in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
         ids, mask = torch.cat([p_ids, c_ids], 1).to(device), torch.cat([p_mask, c_mask], 1).to(device)
-        scores.append(last_token_scores(model, ids, mask, p_ids.shape[1]).cpu())
-    return torch.cat(scores)
+        out.append(scores(model, ids, mask, p_ids.shape[1]).cpu())
+    return torch.cat(out)
 
 
 def compute_rewards(sources, weights, *, prompts: list, completions: list, columns: dict,
-                    completion_ids: list[list[int]] | None = None):
+                    completion_ids: list[list[int]] | None = None, scores=last_token_scores):
     """(weighted sum per completion [N], {name: [N], NaN where a source gave None or NaN}). Functions are
     called by keyword as TRL does, `f(prompts=, completions=, completion_ids=, **columns)` (the dataset's
-    other columns). None / NaN: left out of the sum; a completion no source scores sums to NaN, not 0
-    (the scripts give it no gradient rather than a made-up reward). inf is an error."""
+    other columns); reward models through `scores` (score_with_model's). None / NaN: left out of the sum; a
+    completion no source scores sums to NaN, not 0 (the scripts give it no gradient rather than a made-up reward).
+    inf is an error."""
     per_source = {}
     for name, fn, tokenizer in sources:
         if tokenizer is not None:
-            per_source[name] = score_with_model(fn, tokenizer, prompts, completions)
+            per_source[name] = score_with_model(fn, tokenizer, prompts, completions, scores=scores)
             continue
         try:
             values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)

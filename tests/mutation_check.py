@@ -51,6 +51,7 @@ ASYNC_LOGPS = ("tests/test_async.py::test_k1_behaviour_logps_are_the_sampling_di
 ASYNC_STEP = "tests/test_async.py::test_k1_step_gradient_is_the_loss_written_out_with_the_capped_staleness_weight"
 GRPO_STATS = "tests/test_grpo.py::test_loss_statistics_kl_and_clipped_shares_hand_worked"
 GKD = "tests/test_gkd.py::"
+PACKED = "tests/test_packing.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
 
@@ -79,8 +80,8 @@ MUTATIONS = [
      "token_logprobs(ref_logits, response_ids[s])",
      "ppo: reference log-probabilities without the temperature",
      [PASSES + "::test_ppo_rollout_pass_reads_policy_reference_and_value_before_each_response_token"]),
-    ("algos/kto.py", "kl_logps = logps_from(policy, build(mismatched, pad_id), device)",
-     "kl_logps = logps_from(policy, build(rows, pad_id), device)",
+    ("algos/kto.py", "kl_logps = logps_from(policy, build(mismatched, pad_id), device,",
+     "kl_logps = logps_from(policy, build(rows, pad_id), device,",
      "kto: KL reference point from the rows' own completions",
      [PASSES + "::test_kto_kl_logratios_score_each_prompt_with_the_previous_rows_completion"]),
     ("algos/kto.py", "desirable = 1 - torch.sigmoid(beta * (ratio - kl))",
@@ -224,7 +225,7 @@ MUTATIONS = [
      ["tests/test_episodes.py::test_a_three_turn_episode_token_by_token"]),
     ("algos/grpo.py", "attention_mask = torch.cat([p_mask, batch.get(\"episode_mask\", c_mask)], 1)",
      "attention_mask = torch.cat([p_mask, c_mask], 1)", "grpo: tool results hidden from the policy's forward",
-     ["tests/test_episodes.py::test_grpo_first_step_trains_the_models_tokens_of_each_episode_only"]),
+     ["tests/test_episodes.py::test_grpo_first_step_trains_the_models_tokens_of_each_episode_only[padded]"]),
     ("algos/rloo.py", "episodes.samples, episodes.columns, episodes.samples.model_mask",
      "episodes.samples, episodes.columns, episodes.samples.completion_mask",
      "rloo: tool results in the loss, the KL penalty and the token count",
@@ -449,6 +450,34 @@ MUTATIONS = [
      "if is_conversational(t) else t for p, t in zip(prompts, texts)]",
      "common: a conversation's completion given to reward functions as text",
      ["tests/test_common_data.py::test_completions_are_messages_after_a_conversation_and_text_after_text"]),
+    # 123-: padding-free passes (issue 57, common/packing.py)
+    ("common/packing.py", "(attention_mask.cumsum(-1) - 1)[real][None], place", "place[real][None], place",
+     "packing: position ids run on across the packed row instead of restarting per row",
+     [PACKED + "test_packed_logps_entropy_and_gradient_equal_the_padded_pass[full]"]),
+    ("common/packing.py", "logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits",
+     "logits = model(input_ids=ids, position_ids=positions, use_cache=True).logits",
+     "packing: a cache left on (transformers then lets every row attend to the rows before it)",
+     [PACKED + "test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient[text]"]),
+    ("common/packing.py", "loss_mask[real][None] * (positions > 0), rows", "loss_mask[real][None], rows",
+     "packing: a text row's first token in the loss (predicted by the row before it)",
+     [PACKED + "test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient[text]"]),
+    ("common/packing.py", "token_logprobs(logits[:, :-1], ids[:, 1:])[0] * mask",
+     "token_logprobs(logits[:, :-1], ids[:, :-1])[0] * mask",
+     "packing: dpo's per-row sums read each label a token early",
+     [PACKED + "test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient"]),
+    ("common/packing.py", "outputs[0][0, place.max(-1).values, 0]", "outputs[0][0, place.max(-1).values - 1, 0]",
+     "packing: a reward model's score read at the token before each row's last",
+     [PACKED + "test_packed_scores_and_their_gradient_equal_the_padded_scores"]),
+    ("common/packing.py", ".last_hidden_state[0, before]", ".last_hidden_state[0, before + 1]",
+     "packing: ppo's values read at the state after each response token, not before it",
+     [PACKED + "test_ppo_policy_and_value_pass_packed_equals_the_padded_pass"]),
+    ("common/packing.py", "output_hidden_states=True).hidden_states[-1][0, 5:]",
+     "output_hidden_states=True).hidden_states[-1][0, 4:-1]",
+     "packing: the start-up check compares the packed row's wrong tokens with the row alone",
+     [PACKED + "test_packing_check_passes_attention_models_whose_rows_stay_apart[llama-sdpa]"]),
+    ("algos/reward.py", "rewards_of(model, batch, accelerator.device, args.packing.padding_free)\n        sums",
+     "rewards_of(model, batch, accelerator.device)\n        sums", "reward: --padding_free left out of evaluation",
+     [PACKED + "test_reward_evaluation_padding_free_reads_packed_scores_equal_to_the_padded_ones"]),
 ]
 
 

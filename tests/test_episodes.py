@@ -359,18 +359,22 @@ def episode_logps(model, prompt, pieces):
     return own_logprobs(model, prompt, completion), torch.tensor([float(own) for ids, own in pieces for _ in ids])
 
 
-def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("padding_free", [False, pytest.param(True, marks=pytest.mark.long)],  # long: lane 1
+                         ids=["padded", "padding_free"])
+def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch,
+                                                                         padding_free):
     """grpo.py at its defaults with --environment_factory and a scripted policy: the gradient of its first step
     against the loss written out here over each episode's own tokens, read by one plain forward of the whole
     episode; tool results and the template's text around them carry no loss, no KL term and no count in the
-    normaliser. A KL or policy-gradient term over the tool tokens, or a shifted position, fails."""
+    normaliser. A KL or policy-gradient term over the tool tokens, or a shifted position, fails. With
+    --padding_free the episodes' passes are packed (common/packing.py), under the same masks."""
     import statistics
 
     from algos import grpo
     from tests.first_step import assert_gradient, gradient, grads_of
 
     args, record, policy, ref, prompts, episodes, rewards = scripted_first_step(
-        grpo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=16)
+        grpo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=16, padding_free=padding_free)
     advantages = []
     for g in range(0, len(rewards), args.num_generations):
         group = rewards[g:g + args.num_generations]

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["runtime", "data", "models", "generation", "rewards", "tracking", "checkpoint"]
-FEATURES = ["vllm", "sampler_correction", "episodes", "rollouts", "resume"]  # each entered only on its flags (README)
+# each entered only on its flags (README)
+FEATURES = ["vllm", "sampler_correction", "episodes", "rollouts", "resume", "packing"]
 SCRIPTS = ["sft", "reward", "dpo", "kto", "online_dpo", "rloo", "grpo", "ppo", "gkd"]
 
 

@@ -1,0 +1,165 @@
+"""Padding-free passes (--padding_free, TRL's name; issue 57, work in progress on this branch): the real tokens of a
+micro-batch's rows go into one sequence whose position ids restart at each row, so that no compute goes to padding.
+transformers (5.x: `masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position
+ids that restart when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's
+variable-length kernels), so no row attends to another. The per-token values come back in the padded layout the
+losses read; only the positions that predict a completion token go through the LM head."""
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+from common.generation import token_entropy_no_grad, token_logprobs
+from common.runtime import UserError
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # --padding_free, not --packing.padding-free
+@dataclass
+class PackingArgs:
+    """padding-free training (common/packing.py)"""
+    padding_free: bool = False
+    """each micro-batch's rows in one sequence, position ids restarting per row: no compute on padding (TRL's name)"""
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """[B, T] rows (padded on either side) -> their real tokens in one row [1, N], position ids [1, N] restarting at
+    0 with each row, and each packed token's place in that row, [B, T] (-1 on padding)."""
+    real = attention_mask.bool()
+    place = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+    place[real] = torch.arange(int(real.sum()), device=input_ids.device)
+    return input_ids[real][None], (attention_mask.cumsum(-1) - 1)[real][None], place
+
+
+_CHECKED = weakref.WeakSet()  # the models whose packing has been checked
+
+
+@torch.no_grad()
+def check_packing(model):
+    """Refuses, in one line, a model whose packed rows are not independent (recurrent or state-space layers, an
+    attention that ignores restarting position ids): two short rows packed must give the second row's last hidden
+    states as that row gives alone. Once per model, at its first packed pass (so on every rank at the same point: a
+    forward is a collective under ZeRO-3 and FSDP2), in eval mode (no dropout)."""
+    model = getattr(model, "module", model)  # DDP / DeepSpeed's wrapper: the model's own forward
+    if model in _CHECKED:
+        return
+    device = next(model.parameters()).device
+    first, second = torch.arange(3, 8, device=device)[None], torch.arange(11, 15, device=device)[None]
+    training, _ = model.training, model.eval()
+    try:
+        packed = model(input_ids=torch.cat([first, second], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]],
+                       device=device), use_cache=False, output_hidden_states=True).hidden_states[-1][0, 5:].float()
+        alone = model(input_ids=second, use_cache=False, output_hidden_states=True).hidden_states[-1][0].float()
+    finally:
+        model.train(training)
+    scale = alone.abs().max().clamp(min=1e-6)
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2  # bf16 / fp16 rounding
+    if not (packed - alone).abs().max() <= tolerance * scale:
+        raise UserError(f"--padding_free: {type(model).__name__} lets packed rows see each other (a row's hidden "
+                        f"states change by {float((packed - alone).abs().max() / scale):.1%} when another row is "
+                        "packed before it: recurrent or state-space layers, or an attention that ignores restarting "
+                        "position ids); train it padded, without --padding_free")
+    _CHECKED.add(model)
+
+
+def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+    """A micro-batch's causal-LM forward as one packed row: (logits [1, N, V], input_ids [1, N], loss_mask [1, N],
+    each packed token's row [N]) for a loss that reads logits[:, :-1] against input_ids[:, 1:] under
+    loss_mask[:, 1:], each row's first token out of it (no token of its own row predicts it). No cache: with one,
+    transformers does not read the restarting position ids as separate rows, and every row would attend to the rows
+    before it."""
+    check_packing(model)
+    ids, positions, _ = pack(input_ids, attention_mask)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    real = attention_mask.bool()
+    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand_as(real)[real]
+    return logits, ids, loss_mask[real][None] * (positions > 0), rows
+
+
+def packed_sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          completion_mask: torch.Tensor):
+    """Per row from one packed forward: the summed log-probabilities of its completion tokens, their count, and the
+    mean logit over them (as dpo.py's and kto.py's padded passes give them)."""
+    logits, ids, mask, rows = packed_forward(model, input_ids, attention_mask, completion_mask)
+    mask, rows, n = mask[0, 1:], rows[1:], len(input_ids)
+    logps = token_logprobs(logits[:, :-1], ids[:, 1:])[0] * mask
+    counts = torch.zeros(n, dtype=mask.dtype, device=mask.device).index_add(0, rows, mask)
+    mean_logits = logits[0, :-1].detach().float().mean(-1) * mask
+    return (logps.new_zeros(n).index_add(0, rows, logps), counts,
+            mean_logits.new_zeros(n).index_add(0, rows, mean_logits) / counts)
+
+
+def _predicting(input_ids, attention_mask, prompt_width: int):
+    """The packed row (ids, position ids), the packed position that predicts each completion token that is there
+    [M], and where those tokens sit in input_ids[:, prompt_width:] [B, T]."""
+    ids, positions, place = pack(input_ids, attention_mask)
+    targets = attention_mask[:, prompt_width:].bool()  # completion tokens that are there
+    return ids, positions, place[:, prompt_width - 1:-1][targets], targets
+
+
+def _unpack(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[M, ...] values of the completion tokens that are there -> the padded layout [B, T, ...], 0 on padding."""
+    out = values.new_zeros(*targets.shape, *values.shape[1:])
+    out[targets] = values
+    return out
+
+
+def _completion_logits(policy, input_ids, attention_mask, prompt_width: int):
+    """From one packed forward: the logits before each completion token that is there, [1, M, V] (only those
+    positions go through the LM head), those tokens [1, M], and where they sit in input_ids[:, prompt_width:]."""
+    check_packing(policy)
+    ids, positions, before, targets = _predicting(input_ids, attention_mask, prompt_width)
+    logits = policy(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=before).logits
+    return logits, input_ids[:, prompt_width:][targets][None], targets
+
+
+def packed_completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """gkd.py's completion_logits from one packed forward: (logits before each completion token [1, M, V], those
+    tokens [1, M], a mask of ones [1, M]), the M completion tokens of every row in a row."""
+    logits, labels, _ = _completion_logits(model, torch.cat([prompt_ids, completion_ids], 1),
+                                           torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1])
+    return logits, labels, torch.ones(labels.shape, device=labels.device)
+
+
+def packed_completion_logps(policy, input_ids, attention_mask, prompt_width: int, temperature: float,
+                            entropy: bool = False, **truncation):
+    """common.generation.completion_logps from one packed forward: the log-probability of each completion token
+    input_ids[:, prompt_width:] (prompts left-padded, completions after them) under logits / temperature, truncated
+    as sampling was; [B, T - prompt_width], 0 on padding (the padded pass gives padding a value the losses mask out).
+    entropy=True: also each position's entropy (no gradient)."""
+    logits, labels, targets = _completion_logits(policy, input_ids, attention_mask, prompt_width)
+    logps = _unpack(token_logprobs(logits, labels, temperature, **truncation)[0], targets)
+    return (logps, _unpack(token_entropy_no_grad(logits, temperature)[0], targets)) if entropy else logps
+
+
+def packed_logits_and_values(policy, value_model, input_ids, attention_mask, prompt_width: int):
+    """ppo.py's PolicyAndValue pass, each model on one packed row: the policy's logits before each response token
+    (input_ids[:, prompt_width:]) and the value model's V(s_t) there (its backbone, then its `score` head), in the
+    padded layout [B, T, V] and [B, T], 0 on padding."""
+    logits, _, targets = _completion_logits(policy, input_ids, attention_mask, prompt_width)
+    check_packing(value_model)
+    ids, positions, before, _ = _predicting(input_ids, attention_mask, prompt_width)
+    backbone = getattr(value_model, value_model.base_model_prefix)
+    hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0, before]
+    return _unpack(logits[0], targets), _unpack(value_model.score(hidden).squeeze(-1).float(), targets)
+
+
+def packed_scores(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
+    """common.rewards.last_token_scores from one packed forward: a one-output classifier's score of each row at its
+    last real token, [B]. HF's classifiers pool one position per sequence, so the head's output at every packed
+    position is read by a hook on the head (`score`, HF's name for it) inside the model's own forward, which DDP,
+    ZeRO-3 and FSDP2 then see as an ordinary call. `prefix` is not used (no shared-prompt cache when packed)."""
+    check_packing(model)
+    head = getattr(getattr(model, "module", model), "score", None)
+    if head is None:
+        raise UserError(f"--padding_free reads a reward model's scores from its head `score`; "
+                        f"{type(getattr(model, 'module', model)).__name__} has none; train it without --padding_free")
+    ids, positions, place = pack(input_ids, attention_mask)
+    outputs = []
+    hook = head.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    try:
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    finally:
+        hook.remove()
+    return outputs[0][0, place.max(-1).values, 0].float()  # each row's last real token

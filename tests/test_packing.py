@@ -1,0 +1,368 @@
+"""common/packing.py (issue 57, in progress): a packed pass gives the padded pass's per-token values and gradient,
+and no row sees another."""
+
+import json
+
+import pytest
+import torch
+
+from common.generation import completion_logps
+from common.models import load_policy
+from common.packing import pack, packed_completion_logps
+from tests.test_per_token_passes import COMPLETIONS, PROMPTS, TEMPERATURE, left_padded
+
+
+def test_pack_keeps_the_real_tokens_in_order_with_positions_restarting_per_row():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 0, 0], [1, 2, 3, 4, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    packed, positions, place = pack(ids, mask)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert place.tolist() == [[-1, -1, 0, 1, 2], [-1, 3, 4, -1, -1], [5, 6, 7, 8, -1]]
+
+
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
+def test_packed_logps_entropy_and_gradient_equal_the_padded_pass(tiny_model, tokenizer, truncation):
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    real = attention_mask[:, width:].bool()
+    results = []
+    for fn in (completion_logps, packed_completion_logps):
+        policy = load_policy(tiny_model, tokenizer).eval()
+        logps, entropy = fn(policy, input_ids, attention_mask, width, TEMPERATURE, entropy=True, **truncation)
+        (logps * real * torch.arange(1, real.shape[1] + 1)).sum().backward()  # weights differ per position
+        results.append((logps[real], entropy[real], [p.grad.clone() for p in policy.parameters()]))
+    (lp_a, h_a, g_a), (lp_b, h_b, g_b) = results
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_b, h_a, atol=1e-5, rtol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_a_rows_tokens_change_no_other_rows_packed_logps(tiny_model, tokenizer):
+    policy = load_policy(tiny_model, tokenizer).eval()
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = packed_completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
+        changed = input_ids.clone()
+        changed[2, width:width + 2] += 7  # row 2's completion (it sits between rows 1 and 3 in the packed row)
+        after = packed_completion_logps(policy, changed, attention_mask, width, TEMPERATURE)
+    others = [0, 1, 3]
+    assert torch.equal(after[others], before[others])
+    assert not torch.equal(after[2], before[2])
+
+
+@pytest.mark.parametrize("rows", ["text", "prompt-completion"])
+def test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_path, tiny_model, rows):
+    """One step of sft.py on rows of very different lengths, padded and padding-free: the logged loss and gradient
+    norm agree to 1e-5. Text rows learn every token, so a row's first token must stay out of the packed loss (the
+    last token of the row before it would predict it)."""
+    from algos import sft
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    words = ["one", "two three four five six seven eight nine ten eleven twelve", "a b",
+             "c d e f g h i j k l m n o p q", "r", "s t u v", "w x y z " * 6, "alpha beta gamma"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": w} if rows == "text" else
+                                       {"prompt": w + " TL;DR:", "completion": " " + w[:9]}) + "\n" for w in words))
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        sft.main(script_args(sft.Args, model_name_or_path=tiny_model, dataset_name=str(data), dataset_test_split="",
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                             logging_steps=1, num_sample_generations=0, padding_free=padding_free,
+                             output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    assert packed_run["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+    assert packed_run["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+
+
+def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer):
+    """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length."""
+    from algos import dpo
+    examples = [([5, 6, 7, 8, 9, 10], [20, 21, 22], [23]), ([11, 12], [24, 25, 26, 27, 28, 29], [30, 31]),
+                ([13, 14, 15], [32], [33, 34, 35, 36])]
+    batch = dpo.collate(examples, tokenizer.pad_token_id)
+    results = []
+    for padding_free in (False, True):
+        policy = load_policy(tiny_model, tokenizer).eval()
+        chosen, rejected, counts, mean_logits = dpo.forward_pairs(policy, batch, False, padding_free)
+        (chosen * torch.tensor([1.0, 2.0, 3.0]) - rejected * torch.tensor([0.5, 1.5, 2.5])).sum().backward()
+        results.append((chosen, rejected, torch.stack(counts), torch.stack(mean_logits),
+                        [p.grad.clone() for p in policy.parameters()]))
+    for a, b in zip(*results):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            torch.testing.assert_close(y.detach(), x.detach(), atol=1e-5, rtol=1e-4)
+    assert results[0][2].tolist() == [[3, 6, 1], [1, 2, 4]]  # the completions' lengths, chosen then rejected
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+@pytest.mark.parametrize("script", ["kto", "dpo"])
+def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_path, tiny_model, script):
+    """One step of kto.py (its KL reference point from mismatched pairs too) and of dpo.py on the tiny task's
+    preference pairs, padded and padding-free: the logged loss, the kl or reward margin, and the gradient norm agree
+    to 1e-5."""
+    import importlib
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    module = importlib.import_module(f"algos.{script}")
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        module.main(script_args(module.Args, model_name_or_path=tiny_model, dataset_name="tiny_tldr/tldr-preference",
+                                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                                logging_steps=1, num_sample_generations=0, eval_steps=10, dataset_test_split="",
+                                padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["loss", "grad_norm", "kl" if script == "kto" else "rewards/margins"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
+    """rloo.py's first step, padded and padding-free (the old, reference and training passes packed, and the reward
+    model's scores): the same samples, and the logged scores, policy loss, kl, entropy and gradient norm agree to
+    1e-5."""
+    from algos import rloo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        rloo.main(script_args(rloo.Args, model_name_or_path=tiny_model, reward_model_paths=[rm_model],
+                              reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4, rloo_k=2,
+                              max_steps=1, max_completion_length=12, num_ppo_epochs=2, temperature=0.7,
+                              padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["objective/scores", "loss/policy_avg", "objective/kl", "objective/entropy", "grad_norm",
+            "completions/mean_length"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+@pytest.mark.parametrize("loss_type", ["jsd", "token_reward"])
+def test_a_gkd_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model, loss_type):
+    """gkd.py's first step on its own samples and the dataset's completions, padded and padding-free (the student's
+    and the teacher's logits on the completion tokens of one packed row): loss, kl, the student's and teacher's
+    log-probs and the gradient norm agree to 1e-5."""
+    from algos import gkd
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        gkd.main(script_args(gkd.Args, model_name_or_path=tiny_model, teacher_model_name_or_path=sft_model,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                             lmbda=1.0 if loss_type == "token_reward" else 0.5,
+                             max_new_tokens=8, loss_type=loss_type, padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["loss", "objective/kl", "logps/student", "logps/teacher", "grad_norm", "on_policy_ratio"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert abs(padded["objective/kl"]) > 1e-3 and padded["grad_norm"] > 1e-3  # the teacher differs: values to match
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model):
+    """online_dpo.py's first step, padded and padding-free (policy and reference passes packed; a reference that
+    differs from the policy): loss, reward margin and gradient norm agree to 1e-5."""
+    from algos import online_dpo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        online_dpo.main(script_args(online_dpo.Args, model_name_or_path=sft_model, reward_model_paths=[],
+                                    reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
+                                    max_steps=2, max_new_tokens=12, padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[-1])
+    padded, packed_run = logged
+    keys = ["loss", "grad_norm", "rewards/margins"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert abs(padded["rewards/margins"]) > 1e-6  # step 2: the policy has moved from its reference
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_model):
+    """grpo.py's two steps on one generation batch (num_iterations 2: the sampling-time pass, the reference's with
+    beta 0.3 and the training passes packed), padded and padding-free: loss, kl, entropy, clipped shares and the
+    gradient norm agree to 1e-5."""
+    from algos import grpo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
+                              reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
+                              num_iterations=2, beta=0.3, temperature=0.7, learning_rate=1e-2, max_steps=2,
+                              padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out)))
+    keys = ["loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"]
+    for padded, packed_run in zip(*logged):
+        assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert logged[0][1]["kl"] > 1e-6  # the second step's policy has moved from its reference
+
+
+def test_packed_scores_and_their_gradient_equal_the_padded_scores(tiny_model, tokenizer):
+    """A reward model's scores of rows of different lengths (reward.py's batch: a left-padded prompt block, then a
+    left-padded completion block), padded and from one packed row (the `score` head read at each row's last token
+    by a hook): scores and gradient agree to 1e-5."""
+    from algos.reward import collate
+    from common.models import load_reward_model
+    from common.packing import packed_scores
+    from common.rewards import last_token_scores
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    examples = [(encode(p), encode(c) + [tokenizer.eos_token_id], encode(r) + [tokenizer.eos_token_id], 0.0)
+                for p, c, r in [("a long prompt about the weather in the hills", " rain", " sun and some wind later"),
+                                ("short", " one two three four five six seven", " x"),
+                                ("mid length prompt here", " yes", " no")]]
+    input_ids, attention_mask, _, width = collate(examples, tokenizer.pad_token_id)
+    assert (attention_mask == 0).float().mean() > 0.2  # much padding
+    results = []
+    for fn in (last_token_scores, packed_scores):
+        torch.manual_seed(0)  # the same new head each time
+        model = load_reward_model(tiny_model, tokenizer, new_head=True).eval()
+        scores = fn(model, input_ids, attention_mask, width)
+        (scores * torch.arange(1.0, len(scores) + 1)).sum().backward()  # a different weight per row
+        results.append((scores.detach(), [p.grad.clone() for p in model.parameters()]))
+    (s_a, g_a), (s_b, g_b) = results
+    assert s_a.std() > 1e-3  # the rows score differently
+    torch.testing.assert_close(s_b, s_a, atol=1e-5, rtol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_ppo_policy_and_value_pass_packed_equals_the_padded_pass(tiny_model, tokenizer):
+    """ppo.py's PolicyAndValue, padded and packed (each model on one packed row, the value model's backbone then its
+    head): response logits and values at every real response token, and the gradient of both models, agree."""
+    from algos.ppo import PolicyAndValue
+    from common.models import load_reward_model
+    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+    real = attention_mask[:, width:].bool()
+    results = []
+    for padding_free in (False, True):
+        torch.manual_seed(0)  # the same new value head each time
+        model = PolicyAndValue(load_policy(tiny_model, tokenizer),
+                               load_reward_model(tiny_model, tokenizer, new_head=True), padding_free).eval()
+        logits, values = model(input_ids, attention_mask, width)
+        weights = torch.arange(1.0, real.shape[1] + 1)  # a different weight per position
+        ((logits.float().logsumexp(-1) + values) * real * weights).sum().backward()
+        results.append((logits[real].detach(), values[real].detach(), [p.grad.clone() for p in model.parameters()]))
+    (l_a, v_a, g_a), (l_b, v_b, g_b) = results
+    torch.testing.assert_close(l_b, l_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(v_b, v_a, atol=1e-5, rtol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+def test_a_reward_model_step_padding_free_gives_the_padded_steps_values(tmp_path, sft_model):
+    """One step of reward.py (a fresh head; pairs of different lengths; gradient accumulation 2), padded and
+    padding-free: loss, accuracy and gradient norm agree to 1e-5."""
+    from algos import reward
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        reward.main(script_args(reward.Args, model_name_or_path=sft_model, dataset_name="tiny_tldr/tldr-preference",
+                                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                                logging_steps=1, dataset_test_split="", num_sample_pairs=0,
+                                padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["loss", "grad_norm", "accuracy"]
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+
+
+def test_reward_evaluation_padding_free_reads_packed_scores_equal_to_the_padded_ones(rm_model, tokenizer,
+                                                                                  monkeypatch):
+    """reward.py's evaluation with --padding_free scores every batch from one packed row, and its metrics are the
+    padded evaluation's to 1e-5."""
+    from accelerate import Accelerator
+
+    from algos import reward
+    from common import packing
+    from common.data import load_split
+    from common.models import load_reward_model
+    examples, _ = reward.tokenize(load_split("tiny_tldr/tldr-preference", "test").select(range(10)), tokenizer, 512)
+    model, calls = load_reward_model(rm_model, tokenizer), []
+    monkeypatch.setattr(reward, "packed_scores", lambda *a: calls.append(1) or packing.packed_scores(*a))
+    metrics = [reward.evaluate(model, examples, reward.Args(per_device_eval_batch_size=4,
+                                                                packing=packing.PackingArgs(padding_free)),
+                               tokenizer, Accelerator(cpu=True)) for padding_free in (False, True)]
+    assert len(calls) == 3  # 10 pairs in batches of 4
+    assert metrics[1] == pytest.approx(metrics[0], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
+def test_a_ppo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
+    """ppo.py's first rollout, padded and padding-free (policy, reference, value and reward model passes packed; 2
+    PPO epochs, temperature 0.7): the reward model's scores, kl, policy and value losses and the gradient norm agree
+    to 1e-5."""
+    from algos import ppo
+    from tests.conftest import script_args
+    from tests.test_sft import read_log
+    logged = []
+    for padding_free in (False, True):
+        out = tmp_path / f"out_{padding_free}"
+        ppo.main(script_args(ppo.Args, model_name_or_path=tiny_model, reward_model_path=rm_model,
+                             per_device_train_batch_size=4, response_length=10, num_ppo_epochs=2, temperature=0.7,
+                             max_steps=1, padding_free=padding_free, output_dir=str(out)))
+        logged.append(read_log(str(out))[0])
+    padded, packed_run = logged
+    keys = ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "grad_norm"]
+    keys = [k for k in keys if k in padded]
+    assert len(keys) >= 4
+    assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
+
+
+def _tiny(kind: str, attn: str):
+    import transformers
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    configs = {"llama": transformers.LlamaConfig(num_key_value_heads=2, **common),
+               "qwen2": transformers.Qwen2Config(num_key_value_heads=2, **common),
+               "gpt2": transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4),
+               "gpt_neox": transformers.GPTNeoXConfig(**common),
+               "mamba": transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2)}
+    torch.manual_seed(0)
+    config = configs[kind.removesuffix("-classifier")]
+    config._attn_implementation = attn
+    if kind == "llama-classifier":
+        config.num_labels = 1
+        return transformers.AutoModelForSequenceClassification.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "gpt_neox", "llama-classifier"])
+def test_packing_check_passes_attention_models_whose_rows_stay_apart(kind, attn):
+    from common.packing import check_packing
+    check_packing(_tiny(kind, attn))  # no error
+
+
+def test_packing_check_refuses_a_recurrent_model_in_one_line(capsys):
+    """Mamba carries its state from one packed row into the next: refused, with the class and the way out."""
+    from common.packing import check_packing
+    from common.runtime import UserError
+    model = _tiny("mamba", "eager")
+    with pytest.raises(UserError, match="--padding_free: MambaForCausalLM lets packed rows see each other.*without "
+                                        "--padding_free"):
+        check_packing(model)
+    assert model.training  # its mode is given back
+
+
+def test_packing_check_refuses_an_attention_told_to_ignore_the_restarting_positions(monkeypatch):
+    """An attention model run with a cache (transformers then reads the position ids as one sequence): the same
+    check catches the rows attending across."""
+    from common import packing
+    from common.runtime import UserError
+    model = _tiny("llama", "sdpa")
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, use_cache=None, **k: forward(*a, use_cache=True, **k))
+    with pytest.raises(UserError, match="LlamaForCausalLM lets packed rows see each other"):
+        packing.check_packing(model)
