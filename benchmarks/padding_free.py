@@ -84,6 +84,11 @@ STEP = {"sft": "sequences", "dpo": "pairs + reference", "kto": "rows + KL rows +
 class Args:
     model: Literal["tiny", "smollm2"] = "tiny"
     """tiny: tiny_tldr/tiny-pythia (the base model, for every script); smollm2: SmolLM2-135M-Instruct"""
+    model_path: str | None = None
+    """a model folder in place of --model's (its shapes stay --model's): e.g. SmolLM2's architecture with random
+    weights where the shipped weights cannot be carried (a lent GPU machine)"""
+    extra: str = ""
+    """flags passed to every script run, in one string: e.g. --extra=--bf16 on a GPU"""
     scripts: list[Literal["sft", "dpo", "kto", "grpo"]] = dataclasses.field(
         default_factory=lambda: ["sft", "dpo", "grpo"])
     """scripts to measure"""
@@ -191,8 +196,9 @@ def run_child(spec_path: str):
             counts["generating"] -= 1
 
     def log_counts(tracker, metrics, step):
+        gpu = {"gpu_mib": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}
         with open(spec["counts"], "a") as f:
-            f.write(json.dumps({"step": step, "fed": counts["fed"], "real": counts["real"]}) + "\n")
+            f.write(json.dumps({"step": step, "fed": counts["fed"], "real": counts["real"]} | gpu) + "\n")
         return log(tracker, metrics, step)
     PreTrainedModel.__call__, GenerationMixin.generate, Tracker.log = counted_call, counted_generate, log_counts
     vs_trl.run_child(spec_path)
@@ -204,7 +210,8 @@ def run_child(spec_path: str):
 def script_argv(script: str, args: Args, model_path: str, data_file: str, variant: str, output_dir: str) -> list:
     argv = ["--model_name_or_path", model_path, "--dataset_name", data_file, "--output_dir", output_dir,
             "--run_name", "padding_free", "--seed", str(args.seed), "--max_steps", str(args.steps),
-            "--gradient_accumulation_steps", "1", *SHAPES[args.model][script], *NO_EVAL[script]]
+            "--gradient_accumulation_steps", "1", *SHAPES[args.model][script], *NO_EVAL[script],
+            *shlex.split(args.extra)]
     if script == "grpo":
         argv += ["--reward_model_paths", "--reward_funcs", "benchmarks.padding_free:length_reward"]
     return argv + (["--padding_free"] if variant == "packed" else [])
@@ -218,7 +225,8 @@ def count_window(path: str) -> dict:
             row = json.loads(line)
             rows.setdefault(row["step"], row)
     first, last = rows[min(rows)], rows[max(rows)]
-    return {k: last[k] - first[k] for k in ("fed", "real")} | {"steps": max(rows) - min(rows)}
+    gpu = {"peak_gpu_mib": last["gpu_mib"]} if "gpu_mib" in last else {}  # torch.cuda.max_memory_allocated
+    return {k: last[k] - first[k] for k in ("fed", "real")} | {"steps": max(rows) - min(rows)} | gpu
 
 
 def measure(script: str, args: Args, work: str, model_path: str, data_file: str) -> dict:
@@ -249,6 +257,8 @@ def measure(script: str, args: Args, work: str, model_path: str, data_file: str)
         s = statistics.median(r["seconds_per_step"] for r in rs)
         result[variant] = {"seconds_per_step": s, "tokens_per_second": real_per_step / s,
                            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+                           **({"peak_gpu_mib": statistics.median(r["peak_gpu_mib"] for r in rs)}
+                              if "peak_gpu_mib" in rs[0] else {}),
                            "fed_per_step": statistics.median(r["fed"] / r["steps"] for r in rs),
                            "pad_share": statistics.median(r["pad_share"] for r in rs)}
     result["real_tokens_per_step"] = real_per_step
@@ -286,6 +296,10 @@ def table(results: dict, markdown: bool = False) -> str:
               f"{r['packed']['tokens_per_second']:,.0f}", f"{r['padded']['peak_rss_mib']:,.0f}",
               f"{r['packed']['peak_rss_mib']:,.0f}", f"{100 * r['padded']['pad_share']:.1f}%"]
              for script, r in results.items()]
+    if all("peak_gpu_mib" in r["padded"] for r in results.values()):
+        head += ["GPU peak padded (MiB)", "GPU peak packed (MiB)"]
+        for line, r in zip(lines, results.values()):
+            line += [f"{r[v]['peak_gpu_mib']:,.0f}" for v in VARIANTS]
     return format_table(head, lines, markdown)
 
 
@@ -311,7 +325,7 @@ def markdown(report: dict) -> str:
         m = section["machine"]
         out += [f"## {key}", "", f"- date: {section['date']}",
                 f"- machine: {m['cpu']}, nproc {m['nproc']} (of {m['cpu_count']}), torch threads "
-                f"{section['args']['threads']}",
+                f"{section['args']['threads']}" + (f"; GPU {section['gpu']}" if section.get("gpu") else ""),
                 "- versions: " + ", ".join(f"{k} {v}" for k, v in section["versions"].items() if v),
                 f"- command: `{section['command']}`", f"- model: {section['model_path']}",
                 "- data: token lengths log-uniform, prompts " + ", ".join(
@@ -340,7 +354,9 @@ def main(args: Args) -> dict:
     args.steps = args.steps or {"tiny": 6, "smollm2": 4}[args.model]
     if args.steps < 3 or args.runs < 1:
         raise SystemExit("error: --steps must be >= 3 (a median over steps 2..N) and --runs >= 1")
-    if args.model == "smollm2":
+    if args.model_path:
+        model_path = os.path.abspath(args.model_path)
+    elif args.model == "smollm2":
         from benchmarks import smollm2
 
         model_path = smollm2.build()
@@ -363,6 +379,7 @@ def main(args: Args) -> dict:
             shutil.rmtree(work, ignore_errors=True)
     section = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "machine": machine(), "versions": versions(), "torch_default_threads": torch.get_num_threads(),
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                "note": args.note, "command": shlex.join(["python", "benchmarks/padding_free.py", *sys.argv[1:]]),
                "model_path": os.path.relpath(model_path, ROOT) if model_path.startswith(ROOT)
                else model_path.replace(os.path.expanduser("~"), "~"), "args": dataclasses.asdict(args),
@@ -376,7 +393,8 @@ def main(args: Args) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 report = json.load(f)
-        report["quick" if args.quick else f"--model {args.model}"] = section
+        key = "quick" if args.quick else f"--model {args.model}" + (f" ({section['gpu']})" if section["gpu"] else "")
+        report[key] = section
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)

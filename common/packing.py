@@ -54,7 +54,8 @@ def check_packing(model):
     finally:
         model.train(training)
     scale = alone.abs().max().clamp(min=1e-6)
-    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2  # bf16 / fp16 rounding
+    # bf16 / fp16 weights round; so do a GPU's kernels (TF32, autocast, a masked attention kernel against a causal one)
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 and device.type == "cpu" else 3e-2
     if not (packed - alone).abs().max() <= tolerance * scale:
         raise UserError(f"--padding_free: {type(model).__name__} lets packed rows see each other (a row's hidden "
                         f"states change by {float((packed - alone).abs().max() / scale):.1%} when another row is "
