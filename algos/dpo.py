@@ -253,7 +253,7 @@ def collate(examples, pad_id: int):
 def forward_pairs(model, batch, mean_logps: bool, padding_free: bool = False):
     """(chosen logps, rejected logps, (chosen, rejected) token counts, mean logits of chosen / rejected completions)."""
     input_ids, attention_mask, completion_mask = batch
-    if padding_free:  # one packed row, position ids restarting per row (common/packing.py)
+    if padding_free:  # packed rows, position ids restarting per row (common/packing.py)
         logps, counts, mean_logits = packed_sequence_logps(model, input_ids, attention_mask, completion_mask)
     else:
         # logits from the column before the earliest completion token on; a pair's chosen and rejected

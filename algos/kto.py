@@ -230,7 +230,7 @@ def logps_from(model, batch, device, share_prompts: bool = False, padding_free: 
     """Summed completion logprobs of a `build` batch. share_prompts: logits only from the column
     before the earliest completion token, so that rows holding the same prompt run it once
     (shifted_logits); for a batch of distinct prompts the single plain forward is cheaper.
-    padding_free: from one packed row, position ids restarting per row (common/packing.py)."""
+    padding_free: from packed rows, position ids restarting per row (common/packing.py)."""
     input_ids, attention_mask, completion_mask = (t.to(device) for t in batch)
     if padding_free:
         return packed_sequence_logps(model, input_ids, attention_mask, completion_mask)[0]

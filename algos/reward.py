@@ -159,7 +159,7 @@ def collate(examples, pad_id: int):
 
 def rewards_of(model, batch, device, padding_free: bool = False):
     """(chosen rewards, rejected rewards, margins) of a batch from `collate`; padding_free: all its rows' scores
-    from one packed row, position ids restarting per row (common/packing.py)."""
+    from packed rows, position ids restarting per row (common/packing.py)."""
     input_ids, attention_mask, margin, width = batch
     scores = packed_scores if padding_free else last_token_scores
     chosen, rejected = scores(model, input_ids.to(device), attention_mask.to(device), width).chunk(2)

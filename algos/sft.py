@@ -309,7 +309,7 @@ def main(args: Args):
         total_loss = torch.zeros((), device=accelerator.device)
         for input_ids, attention_mask, loss_mask in micro:
             with accelerator.accumulate(model):
-                if args.packing.padding_free:  # one packed row, position ids restarting per row
+                if args.packing.padding_free:  # packed rows, position ids restarting per row
                     logits, ids, mask, _ = packed_forward(model, input_ids, attention_mask, loss_mask)
                     loss = sft_loss(logits, ids, mask, num_tokens=num_tokens)
                 else:

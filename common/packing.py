@@ -1,9 +1,10 @@
-"""Padding-free passes (--padding_free, TRL's name; issue 57, work in progress on this branch): the real tokens of a
-micro-batch's rows go into one sequence whose position ids restart at each row, so that no compute goes to padding.
-transformers (5.x: `masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position
-ids that restart when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's
-variable-length kernels), so no row attends to another. The per-token values come back in the padded layout the
-losses read; only the positions that predict a completion token go through the LM head."""
+"""Padding-free passes (--padding_free, TRL's name; issue 57): the real tokens of a micro-batch's rows go into
+packed sequences whose position ids restart at each row, so that no compute goes to padding. transformers (5.x:
+`masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position ids that restart
+when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's variable-length kernels),
+so no row attends to another. SDPA and eager get packed rows no longer than the longest row (bin_length), the
+completion passes and flash-attention one. The per-token values come back in the padded layout the losses read; in
+the completion passes only the positions that predict a completion token go through the LM head."""
 
 import weakref
 from dataclasses import dataclass
@@ -20,16 +21,41 @@ from common.runtime import UserError
 class PackingArgs:
     """padding-free training (common/packing.py)"""
     padding_free: bool = False
-    """each micro-batch's rows in one sequence, position ids restarting per row: no compute on padding (TRL's name)"""
+    """each micro-batch's rows packed into sequences, position ids restarting per row: no compute on padding (TRL's
+    name)"""
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """[B, T] rows (padded on either side) -> their real tokens in one row [1, N], position ids [1, N] restarting at
-    0 with each row, and each packed token's place in that row, [B, T] (-1 on padding)."""
-    real = attention_mask.bool()
-    place = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
-    place[real] = torch.arange(int(real.sum()), device=input_ids.device)
-    return input_ids[real][None], (attention_mask.cumsum(-1) - 1)[real][None], place
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, bin_length: int | None = None):
+    """[B, T] rows (padded on either side) -> their real tokens packed, [K, L], position ids [K, L] restarting at 0
+    with each row, and each real token's place in the packed tokens flattened, [B, T] (-1 on padding).
+    bin_length None: one packed row, the rows in order. Else the rows go first-fit, longest first, into K packed rows
+    of bin_length positions; the room left at a packed row's end is a row of its own (token 0, positions restarting)
+    that no loss reads."""
+    real, lengths = attention_mask.bool(), attention_mask.sum(-1).tolist()
+    width = bin_length or sum(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if bin_length else range(len(lengths))
+    starts, fill = [0] * len(lengths), []
+    for i in order:
+        k = next((k for k, used in enumerate(fill) if used + lengths[i] <= width), len(fill))
+        fill += [0] * (k == len(fill))
+        starts[i], fill[k] = k * width + fill[k], fill[k] + lengths[i]
+    offsets = attention_mask.cumsum(-1) - 1
+    place = torch.where(real, torch.tensor(starts, device=real.device)[:, None] + offsets, -1)
+    ids = input_ids.new_zeros(len(fill) * width)
+    ids[place[real]] = input_ids[real]
+    room = torch.arange(width, device=real.device) - torch.tensor(fill, device=real.device)[:, None]
+    positions = room.clamp(min=0).flatten()  # the room at a packed row's end: positions from 0
+    positions[place[real]] = offsets[real]
+    return ids.view(len(fill), width), positions.view(len(fill), width), place
+
+
+def bin_length(model, attention_mask: torch.Tensor) -> int | None:
+    """SDPA and eager attention get a dense mask over a packed row (cost: its length squared): rows then go into
+    packed rows no longer than the longest row, so that attention costs no more than padded. Other kernels
+    (flash-attention's variable-length one) get one packed row: transformers reads restarting positions as separate
+    rows there only in a batch of one."""
+    attention = getattr(getattr(getattr(model, "module", model), "config", None), "_attn_implementation", None)
+    return int(attention_mask.sum(-1).max()) if attention in ("sdpa", "eager") else None
 
 
 _CHECKED = weakref.WeakSet()  # the models whose packing has been checked
@@ -65,17 +91,20 @@ def check_packing(model):
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
-    """A micro-batch's causal-LM forward as one packed row: (logits [1, N, V], input_ids [1, N], loss_mask [1, N],
-    each packed token's row [N]) for a loss that reads logits[:, :-1] against input_ids[:, 1:] under
-    loss_mask[:, 1:], each row's first token out of it (no token of its own row predicts it). No cache: with one,
+    """A micro-batch's causal-LM forward packed (in packed rows of bin_length), flattened to one row: (logits
+    [1, N, V], input_ids [1, N], loss_mask [1, N], each packed token's row [N]; a packed row's room: mask 0, row 0)
+    for a loss that reads logits[:, :-1] against input_ids[:, 1:] under loss_mask[:, 1:], each row's first token out
+    of it (no token of its own row predicts it; nor the last token of the packed row before). No cache: with one,
     transformers does not read the restarting position ids as separate rows, and every row would attend to the rows
     before it."""
     check_packing(model)
-    ids, positions, _ = pack(input_ids, attention_mask)
-    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    real = attention_mask.bool()
-    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand_as(real)[real]
-    return logits, ids, loss_mask[real][None] * (positions > 0), rows
+    ids, positions, place = pack(input_ids, attention_mask, bin_length(model, attention_mask))
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits.flatten(0, 1)[None]
+    real, flat = attention_mask.bool(), place[attention_mask.bool()]
+    mask, rows = loss_mask.new_zeros(ids.numel()), torch.zeros(ids.numel(), dtype=torch.long, device=ids.device)
+    mask[flat] = loss_mask[real]
+    rows[flat] = torch.arange(len(input_ids), device=ids.device)[:, None].expand_as(real)[real]
+    return logits, ids.view(1, -1), mask[None] * (positions.view(1, -1) > 0), rows
 
 
 def packed_sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -156,11 +185,11 @@ def packed_scores(model, input_ids, attention_mask, prefix: int = 0) -> torch.Te
     if head is None:
         raise UserError(f"--padding_free reads a reward model's scores from its head `score`; "
                         f"{type(getattr(model, 'module', model)).__name__} has none; train it without --padding_free")
-    ids, positions, place = pack(input_ids, attention_mask)
+    ids, positions, place = pack(input_ids, attention_mask, bin_length(model, attention_mask))
     outputs = []
     hook = head.register_forward_hook(lambda module, inputs, output: outputs.append(output))
     try:
         model(input_ids=ids, position_ids=positions, use_cache=False)
     finally:
         hook.remove()
-    return outputs[0][0, place.max(-1).values, 0].float()  # each row's last real token
+    return outputs[0].flatten(0, 1)[place.max(-1).values, 0].float()  # each row's last real token

@@ -21,6 +21,25 @@ def test_pack_keeps_the_real_tokens_in_order_with_positions_restarting_per_row()
     assert place.tolist() == [[-1, -1, 0, 1, 2], [-1, 3, 4, -1, -1], [5, 6, 7, 8, -1]]
 
 
+def test_pack_into_bins_goes_first_fit_longest_first_and_restarts_the_room_left():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 0, 0], [1, 2, 3, 4, 0], [0, 0, 0, 0, 3]])
+    packed, positions, place = pack(ids, (ids > 0).long(), bin_length=4)
+    # longest first: [1 2 3 4] fills bin 0; [5 6 7] opens bin 1; [8 9] does not fit there, opens bin 2; [3] fits bin 1
+    assert packed.tolist() == [[1, 2, 3, 4], [5, 6, 7, 3], [8, 9, 0, 0]]
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]  # bin 2's room: a row of its own
+    assert place.tolist() == [[-1, -1, 4, 5, 6], [-1, 8, 9, -1, -1], [0, 1, 2, 3, -1], [-1, -1, -1, -1, 7]]
+    assert torch.equal(packed.flatten()[place[place >= 0]], ids[ids > 0])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
+def test_bins_bound_a_dense_masks_attention_and_flash_gets_one_packed_row(attn):
+    from common.packing import bin_length
+    model = _tiny("llama", "eager")
+    model.config._attn_implementation = attn  # the name only: flash-attention is not installed here
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    assert bin_length(model, mask) == (None if attn == "flash_attention_2" else 3)
+
+
 @pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
 def test_packed_logps_entropy_and_gradient_equal_the_padded_pass(tiny_model, tokenizer, truncation):
     input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
@@ -77,8 +96,10 @@ def test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_p
     assert packed_run["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
 
 
-def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer):
-    """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length."""
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer, attn):
+    """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length (6
+    rows of 4 to 9 tokens: packed into bins of 9, more than one)."""
     from algos import dpo
     examples = [([5, 6, 7, 8, 9, 10], [20, 21, 22], [23]), ([11, 12], [24, 25, 26, 27, 28, 29], [30, 31]),
                 ([13, 14, 15], [32], [33, 34, 35, 36])]
@@ -86,6 +107,7 @@ def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gra
     results = []
     for padding_free in (False, True):
         policy = load_policy(tiny_model, tokenizer).eval()
+        policy.set_attn_implementation(attn)
         chosen, rejected, counts, mean_logits = dpo.forward_pairs(policy, batch, False, padding_free)
         (chosen * torch.tensor([1.0, 2.0, 3.0]) - rejected * torch.tensor([0.5, 1.5, 2.5])).sum().backward()
         results.append((chosen, rejected, torch.stack(counts), torch.stack(mean_logits),
@@ -119,22 +141,41 @@ def test_a_preference_step_padding_free_gives_the_padded_steps_loss_and_gradient
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-5)
 
 
+def count_scoring(monkeypatch, module) -> dict:
+    """Counts a script's reward-model scoring passes, packed and padded: a script that kept the padded pass under
+    --padding_free would still give the padded values, so the equality tests below could not see it."""
+    calls = {"packed": 0, "padded": 0}
+    for name, key in (("packed_scores", "packed"), ("last_token_scores", "padded")):
+        def counted(*args, _fn=getattr(module, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def scored_by(calls: dict, before: dict, padding_free: bool) -> bool:
+    """The run since `before` scored with its variant's pass only."""
+    used = {k: calls[k] - before[k] for k in calls}
+    return used["packed" if padding_free else "padded"] > 0 and used["padded" if padding_free else "packed"] == 0
+
+
 @pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
-def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
+def test_an_rloo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model, monkeypatch):
     """rloo.py's first step, padded and padding-free (the old, reference and training passes packed, and the reward
     model's scores): the same samples, and the logged scores, policy loss, kl, entropy and gradient norm agree to
     1e-5."""
     from algos import rloo
     from tests.conftest import script_args
     from tests.test_sft import read_log
-    logged = []
+    logged, calls = [], count_scoring(monkeypatch, rloo)
     for padding_free in (False, True):
-        out = tmp_path / f"out_{padding_free}"
+        out, before = tmp_path / f"out_{padding_free}", dict(calls)
         rloo.main(script_args(rloo.Args, model_name_or_path=tiny_model, reward_model_paths=[rm_model],
                               reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4, rloo_k=2,
                               max_steps=1, max_completion_length=12, num_ppo_epochs=2, temperature=0.7,
                               padding_free=padding_free, output_dir=str(out)))
         logged.append(read_log(str(out))[0])
+        assert scored_by(calls, before, padding_free)
     padded, packed_run = logged
     keys = ["objective/scores", "loss/policy_avg", "objective/kl", "objective/entropy", "grad_norm",
             "completions/mean_length"]
@@ -165,19 +206,21 @@ def test_a_gkd_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_mo
 
 
 @pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
-def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model):
-    """online_dpo.py's first step, padded and padding-free (policy and reference passes packed; a reference that
-    differs from the policy): loss, reward margin and gradient norm agree to 1e-5."""
+def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, sft_model, rm_model,
+                                                                         monkeypatch):
+    """online_dpo.py's first step, padded and padding-free (policy, reference and reward-model passes packed; a
+    reference that differs from the policy): loss, reward margin and gradient norm agree to 1e-5."""
     from algos import online_dpo
     from tests.conftest import script_args
     from tests.test_sft import read_log
-    logged = []
+    logged, calls = [], count_scoring(monkeypatch, online_dpo)
     for padding_free in (False, True):
-        out = tmp_path / f"out_{padding_free}"
-        online_dpo.main(script_args(online_dpo.Args, model_name_or_path=sft_model, reward_model_paths=[],
+        out, before = tmp_path / f"out_{padding_free}", dict(calls)
+        online_dpo.main(script_args(online_dpo.Args, model_name_or_path=sft_model, reward_model_paths=[rm_model],
                                     reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
                                     max_steps=2, max_new_tokens=12, padding_free=padding_free, output_dir=str(out)))
         logged.append(read_log(str(out))[-1])
+        assert scored_by(calls, before, padding_free)
     padded, packed_run = logged
     keys = ["loss", "grad_norm", "rewards/margins"]
     assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
@@ -185,22 +228,23 @@ def test_an_online_dpo_step_padding_free_gives_the_padded_steps_values(tmp_path,
 
 
 @pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
-def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_model):
+def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_model, rm_model, monkeypatch):
     """grpo.py's two steps on one generation batch (num_iterations 2: the sampling-time pass, the reference's with
-    beta 0.3 and the training passes packed), padded and padding-free: loss, kl, entropy, clipped shares and the
-    gradient norm agree to 1e-5."""
+    beta 0.3, the training passes and the reward model's packed), padded and padding-free: loss, kl, entropy,
+    clipped shares and the gradient norm agree to 1e-5."""
     from algos import grpo
     from tests.conftest import script_args
     from tests.test_sft import read_log
-    logged = []
+    logged, calls = [], count_scoring(monkeypatch, grpo)
     for padding_free in (False, True):
-        out = tmp_path / f"out_{padding_free}"
-        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, reward_model_paths=[],
+        out, before = tmp_path / f"out_{padding_free}", dict(calls)
+        grpo.main(script_args(grpo.Args, model_name_or_path=tiny_model, reward_model_paths=[rm_model],
                               reward_funcs=["tests.toy_rewards:short"], per_device_train_batch_size=4,
                               gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
                               num_iterations=2, beta=0.3, temperature=0.7, learning_rate=1e-2, max_steps=2,
                               padding_free=padding_free, output_dir=str(out)))
         logged.append(read_log(str(out)))
+        assert scored_by(calls, before, padding_free)
     keys = ["loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"]
     for padded, packed_run in zip(*logged):
         assert {k: packed_run[k] for k in keys} == pytest.approx({k: padded[k] for k in keys}, rel=1e-5, abs=1e-6)
@@ -300,20 +344,21 @@ def test_reward_evaluation_padding_free_reads_packed_scores_equal_to_the_padded_
 
 
 @pytest.mark.long  # script steps padded and packed: about 60 s together on 2 cores; .ci/run's lane 1
-def test_a_ppo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model):
+def test_a_ppo_step_padding_free_gives_the_padded_steps_values(tmp_path, tiny_model, rm_model, monkeypatch):
     """ppo.py's first rollout, padded and padding-free (policy, reference, value and reward model passes packed; 2
     PPO epochs, temperature 0.7): the reward model's scores, kl, policy and value losses and the gradient norm agree
     to 1e-5."""
     from algos import ppo
     from tests.conftest import script_args
     from tests.test_sft import read_log
-    logged = []
+    logged, calls = [], count_scoring(monkeypatch, ppo)
     for padding_free in (False, True):
-        out = tmp_path / f"out_{padding_free}"
+        out, before = tmp_path / f"out_{padding_free}", dict(calls)
         ppo.main(script_args(ppo.Args, model_name_or_path=tiny_model, reward_model_path=rm_model,
                              per_device_train_batch_size=4, response_length=10, num_ppo_epochs=2, temperature=0.7,
                              max_steps=1, padding_free=padding_free, output_dir=str(out)))
         logged.append(read_log(str(out))[0])
+        assert scored_by(calls, before, padding_free)
     padded, packed_run = logged
     keys = ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "grad_norm"]
     keys = [k for k in keys if k in padded]
