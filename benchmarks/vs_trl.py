@@ -24,10 +24,11 @@ are timed per rollout and divided by the updates in it.
     python benchmarks/vs_trl.py --scripts sft dpo --runs 3 --steps 20
     python benchmarks/vs_trl.py --model smollm2 --runs 2 --steps 4   # every script on SmolLM2-135M-Instruct
     python benchmarks/vs_trl.py --padding_free      # both sides padding-free, where TRL has it (TRL_PADDING_FREE)
+    python benchmarks/vs_trl.py --ours_padding_free --scripts kto dpo   # ours padding-free, TRL as it trains
 
 Writes benchmarks/results/vs_trl.json and vs_trl.md (one section per --model, another per --model with
---padding_free; a new run replaces its section, or with --scripts naming some of them, only their rows, and the
-section lists the rerun).
+--padding_free or --ours_padding_free; a new run replaces its section, or with --scripts naming some of them, only
+their rows, and the section lists the rerun).
 The ratio is TRL's seconds per step over ours: above 1, ours is faster.
 """
 
@@ -77,7 +78,7 @@ NO_TRL_PADDING_FREE = {
     "dpo": "DPOConfig has padding_free, but TRL 1.16's DPOTrainer warns that it is disabled since a refactor and "
            "trains padded",
     **dict.fromkeys(("reward", "kto", "grpo", "rloo", "online_dpo"), "TRL 1.16's config has no padding_free"),
-    "ppo": "no --padding_free in algos/ppo.py (and no PPOTrainer in TRL 1.16)"}
+    "ppo": "no PPOTrainer in TRL 1.16"}
 
 # ---------------------------------------------------------------------------------------------
 # SETTINGS: one set of numbers per script, given to our script as flags and to TRL as config fields
@@ -153,10 +154,15 @@ NOT_MATCHED = [
     "Peak RSS is the whole process: Python, imports (TRL imports more), data, models, optimizer state.",
 ]
 
+OURS_PADDING_FREE_NOT_MATCHED = [
+    "Ours padding-free (--padding_free), TRL padded, as it trains by default: TRL 1.16 has no padding-free for these "
+    "trainers, so this is the comparison a user of each meets, not the same computation.",
+]
 PADDING_FREE_NOT_MATCHED = [
-    "Padding-free (--padding_free): both sides put a micro-batch's rows in one row with position ids restarting "
-    "per row and no attention mask; with SDPA (no flash-attention on a CPU) transformers builds the block-diagonal "
-    "mask from those position ids on both sides. TRL's collator also passes cu_seq_lens / max_length (for "
+    "Padding-free (--padding_free): both sides pack a micro-batch's rows with position ids restarting per row and "
+    "no attention mask (TRL into one row; ours, with SDPA, into packed rows no longer than the longest row); "
+    "transformers builds the block-diagonal mask from those position ids on both sides. TRL's collator also passes "
+    "cu_seq_lens / max_length (for "
     "flash-attention's variable-length kernels; SDPA ignores them) and takes max_length=None (it refuses "
     "padding_free with a max_length it would not enforce): ours keeps --max_length, which the data does not reach "
     "(longest in tokens).",
@@ -191,6 +197,9 @@ class Args:
     padding_free: bool = False
     """both sides padding-free (ours --padding_free, TRL padding_free=True: TRL_PADDING_FREE), for the scripts where
     TRL has it; its own section '<model> --padding_free' in the results"""
+    ours_padding_free: bool = False
+    """ours --padding_free, TRL as it trains by default (for the trainers where TRL has no padding-free: what a user
+    of each meets); its own section '<model> --ours_padding_free'"""
 
 
 def script_defaults(script: str) -> dict:
@@ -472,7 +481,7 @@ def compare(script: str, args: Args, work: str, model_path: str, data_file: str)
     settings = settings_for(script, args.model)
     per = updates_per_step(script, settings)
     config = trl_config(settings, script, args.steps) | (TRL_PADDING_FREE[script] if args.padding_free else {})
-    ours_extra = ["--padding_free"] if args.padding_free else []
+    ours_extra = ["--padding_free"] if args.padding_free or args.ours_padding_free else []
     runs = {"ours": [], "trl": []}
     os.makedirs(os.path.join(work, script), exist_ok=True)
     for run in range(args.runs):
@@ -608,6 +617,8 @@ def main(args: Args) -> dict:
         raise SystemExit("error: TRL is not installed: pip install 'minimal-post-training[bench]'") from None
     if trl.__version__ != TRL_VERSION:
         print(f"warning: TRL {trl.__version__}, not the pinned {TRL_VERSION}", file=sys.stderr)
+    if args.padding_free and args.ours_padding_free:
+        raise SystemExit("error: --padding_free (both sides) or --ours_padding_free (ours only), not both")
     skipped = {s: why for s in args.scripts if (why := trl_missing(s))}
     if args.padding_free:
         skipped |= {s: NO_TRL_PADDING_FREE[s] for s in args.scripts if s in NO_TRL_PADDING_FREE and s not in skipped}
@@ -629,7 +640,8 @@ def main(args: Args) -> dict:
     section = {"date": datetime.date.today().isoformat(), "machine": machine(), "versions": versions(),
                "note": args.note, "command": shlex.join(["python", "benchmarks/vs_trl.py", *sys.argv[1:]]),
                "args": dataclasses.asdict(args), "skipped": skipped, "matched": MATCHED,
-               "not_matched": NOT_MATCHED + (PADDING_FREE_NOT_MATCHED if args.padding_free else []), "results": results}
+               "not_matched": NOT_MATCHED + (PADDING_FREE_NOT_MATCHED if args.padding_free else [])
+               + (OURS_PADDING_FREE_NOT_MATCHED if args.ours_padding_free else []), "results": results}
     print(table(results))
     if args.results_dir:
         path = os.path.join(args.results_dir, "vs_trl.json")
@@ -637,7 +649,8 @@ def main(args: Args) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 report = json.load(f)
-        key = args.model + (" --padding_free" if args.padding_free else "")  # padded rows stay in their section
+        key = args.model + (" --padding_free" if args.padding_free else " --ours_padding_free" if args.ours_padding_free
+                            else "")  # padded rows stay in their section
         old = report.get(key)
         if old and set(args.scripts) < set(MODELS[args.model]):  # a rerun of some scripts: the others' rows stay
             merged = {**old["results"], **results}

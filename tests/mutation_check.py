@@ -504,6 +504,10 @@ MUTATIONS = [
     ("common/packing.py", "    rows[flat] = torch.arange(", "    rows[:len(flat)] = torch.arange(",
      "packing: each packed token's row read in the rows' order, not in the order the bins hold them",
      [PACKED + "test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient[sdpa]"]),
+    ("benchmarks/padding_free.py", "*NO_EVAL[script],\n            *shlex.split(args.extra)]", "*NO_EVAL[script]]",
+     "padding_free benchmark: --extra dropped (a GPU run would measure the CPU's batch sizes)",
+     ["tests/test_padding_free_benchmark.py::"
+      "test_extra_flags_come_after_the_shapes_and_the_packed_run_alone_is_padding_free"]),
 ]
 
 
