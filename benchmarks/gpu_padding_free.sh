@@ -6,7 +6,7 @@
 #   M=$(python benchmarks/smollm2.py | tail -1); mkdir -p .gpu/smollm2; cp $M/*.json $M/*.jinja .gpu/smollm2/
 # then run, carrying .whl, .gpu and tiny_tldr:  bash benchmarks/gpu_padding_free.sh [scripts, default: sft dpo grpo]
 # (RUNS, STEPS, STEP_LIMIT: runs per variant, logged steps, seconds per script; a short check: RUNS=1 STEPS=4)
-# One script takes about 2.5 min (grpo about 3): on 2026-12-04, grpo ran in a second call (--steps 5).
+# One script takes about 2.5 min (grpo about 3, hence STEP_LIMIT 200): on 2026-12-04 grpo ran in a second call (--steps 5).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/env.txt
@@ -21,7 +21,7 @@ declare -A BATCH=([sft]="--per_device_train_batch_size 32" [dpo]="--per_device_t
                   [grpo]="--per_device_train_batch_size 64 --num_generations 4")
 for s in ${@:-sft dpo grpo}; do
   mkdir -p $OUT/$s
-  timeout ${STEP_LIMIT:-170} python3 benchmarks/padding_free.py --model smollm2 --model_path /tmp/smol --scripts $s \
+  timeout ${STEP_LIMIT:-200} python3 benchmarks/padding_free.py --model smollm2 --model_path /tmp/smol --scripts $s \
     --runs ${RUNS:-2} --steps ${STEPS:-6} --threads 8 --timeout 100 --extra="--bf16 ${BATCH[$s]}" --results_dir $OUT/$s \
     --note "lent H200, bf16 autocast, SDPA, SmolLM2-135M architecture with random weights, GPU-sized batches" \
     2>&1 | tee $OUT/$s/log.txt

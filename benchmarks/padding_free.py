@@ -12,10 +12,11 @@ Measured per run, from the same clock and the same process as benchmarks/vs_trl.
 step_times and seconds_per_update): the median seconds of one optimizer step over steps 2..N (the scripts' `time`
 field in <output_dir>/logs/<run>.jsonl), the peak RSS of the process (os.wait4). Inside each child a counter on the
 outermost transformers model call (not inside `generate`) adds up the token positions fed to the models and the
-real (unmasked) ones among them, per step: the pad share of a padded run is 1 - real / fed over steps 2..N (the
-padded passes' own positions: where a pass shares a prompt's prefix cache, common.generation.shifted_logits, the
-prompt counts once). Real tokens per second: the tokens the padding-free run feeds per step (every row's real
-tokens in every pass) over the seconds per step, the same numerator for both variants.
+real (unmasked) ones among them, per step (a packed pass's room at the end of its packed rows, common.packing.pack,
+counts as fed, not real): the pad share of a padded run is 1 - real / fed over steps 2..N (the padded passes' own
+positions: where a pass shares a prompt's prefix cache, common.generation.shifted_logits, the prompt counts once).
+Real tokens per second: the real tokens the padding-free run feeds per step (every row's real tokens in every pass)
+over the seconds per step, the same numerator for both variants.
 
 --profile (item 5): one more process per script and variant runs the script's main() in-process under
 benchmarks.throughput's Meter (the outermost module call as forward, Accelerator.backward, GenerationMixin.generate,
@@ -172,7 +173,16 @@ def run_child(spec_path: str):
     from benchmarks import vs_trl
     from common.tracking import Tracker
 
-    counts = {"fed": 0, "real": 0, "depth": 0, "generating": 0}
+    from common import packing
+
+    counts = {"fed": 0, "real": 0, "room": 0, "depth": 0, "generating": 0}
+    pack = packing.pack
+
+    def counted_pack(input_ids, attention_mask, *args, **kwargs):  # packed rows' room: fed, not real
+        out = pack(input_ids, attention_mask, *args, **kwargs)
+        if not (counts["depth"] or counts["generating"]):
+            counts["room"] += out[0].numel() - int(attention_mask.sum())
+        return out
     module_call, generate, log = torch.nn.Module.__call__, GenerationMixin.generate, Tracker.log
 
     def counted_call(model, *args, **kwargs):  # PreTrainedModel only: other modules keep nn.Module.__call__
@@ -198,9 +208,11 @@ def run_child(spec_path: str):
     def log_counts(tracker, metrics, step):
         gpu = {"gpu_mib": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}
         with open(spec["counts"], "a") as f:
-            f.write(json.dumps({"step": step, "fed": counts["fed"], "real": counts["real"]} | gpu) + "\n")
+            f.write(json.dumps({"step": step, "fed": counts["fed"], "real": counts["real"] - counts["room"]} | gpu)
+                    + "\n")
         return log(tracker, metrics, step)
     PreTrainedModel.__call__, GenerationMixin.generate, Tracker.log = counted_call, counted_generate, log_counts
+    packing.pack = counted_pack
     vs_trl.run_child(spec_path)
 
 
@@ -251,8 +263,8 @@ def measure(script: str, args: Args, work: str, model_path: str, data_file: str)
                   script, args, model_path, data_file, "packed", os.path.join(folder, "packed-0"))).replace(
                       work, "<work_dir>").replace(ROOT + os.sep, "").replace(os.path.expanduser("~"), "~"),
               "runs": runs}
-    # real tokens: what the padding-free runs feed per step (every row's real tokens, every pass)
-    real_per_step = statistics.median(r["fed"] / r["steps"] for r in runs["packed"])
+    # real tokens: what the padding-free runs feed per step (every row's real tokens, every pass; not the room)
+    real_per_step = statistics.median(r["real"] / r["steps"] for r in runs["packed"])
     for variant, rs in runs.items():
         s = statistics.median(r["seconds_per_step"] for r in rs)
         result[variant] = {"seconds_per_step": s, "tokens_per_second": real_per_step / s,

@@ -578,7 +578,9 @@ def markdown(report: dict) -> str:
                 "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f", python {m['python']}",
                 f"- command: `{section['command']}`"] + ([f"- note: {section['note']}"] if section["note"] else []) + [
                 f"- rerun {r['date']}, rows {', '.join(r['scripts'])}: `{r['command']}`"
-                + (f" ({r['note']})" if r["note"] else "") for r in section.get("reruns", [])] + [
+                + (f" ({r['note']})" if r["note"] else "")
+                + (f"; {r['machine']['cpu']}, " + ", ".join(f"{k} {val}" for k, val in r["versions"].items())
+                   if "machine" in r else "") for r in section.get("reruns", [])] + [
                 "", table(section["results"], markdown=True), ""]
         out += [f"- {script}: skipped, {why}" for script, why in section["skipped"].items()]
         for script, r in section["results"].items():
@@ -656,9 +658,11 @@ def main(args: Args) -> dict:
             merged = {**old["results"], **results}
             section.update(results={s: merged[s] for s in MODELS[args.model] if s in merged},
                            skipped={**old["skipped"], **skipped}, date=old["date"], command=old["command"],
-                           note=old["note"], reruns=[*old.get("reruns", []), {
+                           note=old["note"], machine=old["machine"], versions=old["versions"],
+                           reruns=[*old.get("reruns", []), {
                                "date": section["date"], "command": section["command"], "note": section["note"],
-                               "scripts": list(results)}])
+                               "scripts": list(results), "machine": section["machine"],
+                               "versions": section["versions"]}])
         report[key] = section
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path, "w") as f:

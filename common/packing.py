@@ -2,9 +2,10 @@
 packed sequences whose position ids restart at each row, so that no compute goes to padding. transformers (5.x:
 `masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position ids that restart
 when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's variable-length kernels),
-so no row attends to another. SDPA and eager get packed rows no longer than the longest row (bin_length), the
-completion passes and flash-attention one. The per-token values come back in the padded layout the losses read; in
-the completion passes only the positions that predict a completion token go through the LM head."""
+so no row attends to another. SDPA and eager get packed rows no longer than the longest row where that costs less
+than one packed row (bin_length); the completion passes and flash-attention get one. The per-token values come back
+in the padded layout the losses read; in the completion passes only the positions that predict a completion token
+go through the LM head."""
 
 import weakref
 from dataclasses import dataclass
@@ -25,6 +26,18 @@ class PackingArgs:
     name)"""
 
 
+def _first_fit(lengths: list[int], width: int, longest_first: bool):
+    """Each row's start in the packed tokens flattened, and each packed row's fill: rows go first-fit into packed
+    rows of `width` positions (longest first, or in order)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if longest_first else range(len(lengths))
+    starts, fill = [0] * len(lengths), []
+    for i in order:
+        k = next((k for k, used in enumerate(fill) if used + lengths[i] <= width), len(fill))
+        fill += [0] * (k == len(fill))
+        starts[i], fill[k] = k * width + fill[k], fill[k] + lengths[i]
+    return starts, fill
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, bin_length: int | None = None):
     """[B, T] rows (padded on either side) -> their real tokens packed, [K, L], position ids [K, L] restarting at 0
     with each row, and each real token's place in the packed tokens flattened, [B, T] (-1 on padding).
@@ -33,12 +46,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, bin_length: int 
     that no loss reads."""
     real, lengths = attention_mask.bool(), attention_mask.sum(-1).tolist()
     width = bin_length or sum(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if bin_length else range(len(lengths))
-    starts, fill = [0] * len(lengths), []
-    for i in order:
-        k = next((k for k, used in enumerate(fill) if used + lengths[i] <= width), len(fill))
-        fill += [0] * (k == len(fill))
-        starts[i], fill[k] = k * width + fill[k], fill[k] + lengths[i]
+    starts, fill = _first_fit(lengths, width, longest_first=bin_length is not None)
     offsets = attention_mask.cumsum(-1) - 1
     place = torch.where(real, torch.tensor(starts, device=real.device)[:, None] + offsets, -1)
     ids = input_ids.new_zeros(len(fill) * width)
@@ -50,12 +58,26 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, bin_length: int 
 
 
 def bin_length(model, attention_mask: torch.Tensor) -> int | None:
-    """SDPA and eager attention get a dense mask over a packed row (cost: its length squared): rows then go into
-    packed rows no longer than the longest row, so that attention costs no more than padded. Other kernels
+    """Packed rows no longer than the longest row (bins), or one packed row (None). SDPA and eager attention get a
+    dense mask over a packed row: one row's attention costs its length squared, bins cost the room at their ends.
+    The layout with fewer multiply-adds by a rough count is taken: a position costs the layers' projections and the
+    LM head, layers x (4 h^2 + 3 h f) + V h; a pair of positions in one packed row 2 h x layers. Other kernels
     (flash-attention's variable-length one) get one packed row: transformers reads restarting positions as separate
     rows there only in a batch of one."""
-    attention = getattr(getattr(getattr(model, "module", model), "config", None), "_attn_implementation", None)
-    return int(attention_mask.sum(-1).max()) if attention in ("sdpa", "eager") else None
+    config = getattr(getattr(model, "module", model), "config", None)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    lengths = attention_mask.sum(-1).tolist()
+    longest, total = max(lengths), sum(lengths)
+    try:
+        h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    except AttributeError:  # a config without these names: bins, which never cost more than padded
+        return longest
+    position = layers * (4 * h * h + 3 * h * (getattr(config, "intermediate_size", None) or 4 * h)) + vocab * h
+    pair = 2 * h * layers
+    packed_rows = len(_first_fit(lengths, longest, longest_first=True)[1])
+    bins = packed_rows * longest * (position + longest * pair)
+    return longest if bins < total * (position + total * pair) else None
 
 
 _CHECKED = weakref.WeakSet()  # the models whose packing has been checked

@@ -1,4 +1,4 @@
-"""common/packing.py (issue 57, in progress): a packed pass gives the padded pass's per-token values and gradient,
+"""common/packing.py (issue 57): a packed pass gives the padded pass's per-token values and gradient,
 and no row sees another."""
 
 import json
@@ -32,12 +32,22 @@ def test_pack_into_bins_goes_first_fit_longest_first_and_restarts_the_room_left(
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
-def test_bins_bound_a_dense_masks_attention_and_flash_gets_one_packed_row(attn):
+def test_bin_length_takes_the_cheaper_layout_and_flash_gets_one_packed_row(attn):
+    from types import SimpleNamespace
+
     from common.packing import bin_length
-    model = _tiny("llama", "eager")
-    model.config._attn_implementation = attn  # the name only: flash-attention is not installed here
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
-    assert bin_length(model, mask) == (None if attn == "flash_attention_2" else 3)
+    # hidden 2, 1 layer, intermediate 4, vocabulary 10: a position costs 1 * (4*2*2 + 3*2*4) + 10*2 = 60, a pair 4
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn, hidden_size=2, num_hidden_layers=1,
+                                                   intermediate_size=4, vocab_size=10))
+
+    def mask(lengths):  # left padding to 2 more than the longest row: bins are the longest row, not the width
+        return torch.tensor([[0] * (max(lengths) + 2 - n) + [1] * n for n in lengths])
+    # [6, 1, 1]: bins of 6 are [6], [1 1]: 2 * 6 * (60 + 6 * 4) = 1008; one row 8 * (60 + 8 * 4) = 736
+    assert bin_length(model, mask([6, 1, 1])) is None
+    # [6, 5, 5, 4]: 4 bins of 6: 4 * 6 * (60 + 6 * 4) = 2016; one row 20 * (60 + 20 * 4) = 2800
+    assert bin_length(model, mask([6, 5, 5, 4])) == (None if attn == "flash_attention_2" else 6)
+    # DDP's and DeepSpeed's wrappers: the wrapped model's config
+    assert bin_length(SimpleNamespace(module=model), mask([6, 5, 5, 4])) == bin_length(model, mask([6, 5, 5, 4]))
 
 
 @pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
@@ -96,11 +106,15 @@ def test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_p
     assert packed_run["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer, attn):
+@pytest.mark.parametrize("attn,layout", [("sdpa", "bins"), ("eager", "bins"), ("sdpa", "one row")])
+def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer, attn,
+                                                                                      layout, monkeypatch):
     """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length (6
-    rows of 4 to 9 tokens: packed into bins of 9, more than one)."""
+    rows of 4 to 9 tokens), packed into bins of 9 (more than one) or into one row, whichever costs less."""
     from algos import dpo
+    from common import packing
+    longest = {"bins": lambda model, mask: int(mask.sum(-1).max()), "one row": lambda model, mask: None}[layout]
+    monkeypatch.setattr(packing, "bin_length", longest)
     examples = [([5, 6, 7, 8, 9, 10], [20, 21, 22], [23]), ([11, 12], [24, 25, 26, 27, 28, 29], [30, 31]),
                 ([13, 14, 15], [32], [33, 34, 35, 36])]
     batch = dpo.collate(examples, tokenizer.pad_token_id)
@@ -253,7 +267,7 @@ def test_grpo_steps_padding_free_give_the_padded_steps_values(tmp_path, tiny_mod
 
 def test_packed_scores_and_their_gradient_equal_the_padded_scores(tiny_model, tokenizer):
     """A reward model's scores of rows of different lengths (reward.py's batch: a left-padded prompt block, then a
-    left-padded completion block), padded and from one packed row (the `score` head read at each row's last token
+    left-padded completion block), padded and packed (the `score` head read at each row's last token
     by a hook): scores and gradient agree to 1e-5."""
     from algos.reward import collate
     from common.models import load_reward_model
@@ -325,7 +339,7 @@ def test_a_reward_model_step_padding_free_gives_the_padded_steps_values(tmp_path
 
 def test_reward_evaluation_padding_free_reads_packed_scores_equal_to_the_padded_ones(rm_model, tokenizer,
                                                                                   monkeypatch):
-    """reward.py's evaluation with --padding_free scores every batch from one packed row, and its metrics are the
+    """reward.py's evaluation with --padding_free scores every batch packed, and its metrics are the
     padded evaluation's to 1e-5."""
     from accelerate import Accelerator
 
