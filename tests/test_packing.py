@@ -110,7 +110,7 @@ def test_an_sft_step_padding_free_gives_the_padded_steps_loss_and_gradient(tmp_p
 def test_dpo_pairs_padding_free_give_the_padded_logps_counts_mean_logits_and_gradient(tiny_model, tokenizer, attn,
                                                                                       layout, monkeypatch):
     """dpo.py's forward_pairs, padded and padding-free, on pairs whose prompts and completions differ in length (6
-    rows of 4 to 9 tokens), packed into bins of 9 (more than one) or into one row, whichever costs less."""
+    rows of 4 to 9 tokens), each layout forced: bins of 9 (more than one, with room at their ends), or one row."""
     from algos import dpo
     from common import packing
     longest = {"bins": lambda model, mask: int(mask.sum(-1).max()), "one row": lambda model, mask: None}[layout]
