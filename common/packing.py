@@ -3,9 +3,11 @@ packed sequences whose position ids restart at each row, so that no compute goes
 `masking_utils.find_packed_sequence_indices`) builds the block-diagonal causal mask from position ids that restart
 when the model is given no attention mask and no cache (SDPA, eager, and flash-attention's variable-length kernels),
 so no row attends to another. SDPA and eager get packed rows no longer than the longest row where that costs less
-than one packed row (bin_length); the completion passes and flash-attention get one. The per-token values come back
-in the padded layout the losses read; in the completion passes only the positions that predict a completion token
-go through the LM head."""
+than one packed row (bin_length); flash-attention gets one. The completion passes (grpo, rloo, online_dpo, ppo, gkd)
+may also hold each prompt once with its completions after it, under a 4D mask of ours (SDPA and eager: a dense mask
+costs the square of a packed row), as the padded pass runs a prompt once for its samples; each pass takes the layout
+with the fewest multiply-adds by a rough count. The per-token values come back in the padded layout the losses read;
+in the completion passes only the positions that predict a completion token go through the LM head."""
 
 import weakref
 from dataclasses import dataclass
@@ -57,58 +59,86 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, bin_length: int 
     return ids.view(len(fill), width), positions.view(len(fill), width), place
 
 
-def bin_length(model, attention_mask: torch.Tensor) -> int | None:
-    """Packed rows no longer than the longest row (bins), or one packed row (None). SDPA and eager attention get a
-    dense mask over a packed row: one row's attention costs its length squared, bins cost the room at their ends.
-    The layout with fewer multiply-adds by a rough count is taken: a position costs the layers' projections and the
-    LM head, layers x (4 h^2 + 3 h f) + V h; a pair of positions in one packed row 2 h x layers. Other kernels
-    (flash-attention's variable-length one) get one packed row: transformers reads restarting positions as separate
-    rows there only in a batch of one."""
+def _macs(model):
+    """A rough count of multiply-adds, (per position, per pair of positions in one packed row), from the config; None
+    for a kernel that packs by itself (flash-attention's variable-length one: transformers reads restarting positions
+    as separate rows there only in a batch of one) or a config without the names read. A position costs the layers'
+    projections and the LM head, layers x (4 h^2 + 3 h f) + V h; SDPA and eager attention get a dense mask over a
+    packed row, so a pair of its positions costs 2 h x layers whether or not they attend."""
     config = getattr(getattr(model, "module", model), "config", None)
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return None
-    lengths = attention_mask.sum(-1).tolist()
-    longest, total = max(lengths), sum(lengths)
     try:
         h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    except AttributeError:  # a config without these names: bins, which never cost more than padded
-        return longest
-    position = layers * (4 * h * h + 3 * h * (getattr(config, "intermediate_size", None) or 4 * h)) + vocab * h
-    pair = 2 * h * layers
-    packed_rows = len(_first_fit(lengths, longest, longest_first=True)[1])
-    bins = packed_rows * longest * (position + longest * pair)
-    return longest if bins < total * (position + total * pair) else None
+    except AttributeError:
+        return None
+    f = getattr(config, "intermediate_size", None) or 4 * h
+    return layers * (4 * h * h + 3 * h * f) + vocab * h, 2 * h * layers
+
+
+def _dense(model) -> bool:
+    """SDPA or eager attention: a packed row gets a dense mask (no variable-length kernel)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def _cost(macs, lengths: list[int], width: int) -> int:
+    """The multiply-adds of segments of these lengths packed first-fit, longest first, into rows of `width`."""
+    return len(_first_fit(lengths, width, longest_first=True)[1]) * width * (macs[0] + width * macs[1])
+
+
+def bin_length(model, attention_mask: torch.Tensor) -> int | None:
+    """Packed rows no longer than the longest row (bins), or one packed row (None), whichever costs fewer multiply-adds
+    by _macs' count: one row's attention costs its length squared, bins cost the room at their ends. Kernels that pack
+    by themselves get one row; a config without the names read gets bins, which never cost more than padded."""
+    lengths, macs = attention_mask.sum(-1).tolist(), _macs(model)
+    if not _dense(model):
+        return None
+    return max(lengths) if macs is None or _cost(macs, lengths, max(lengths)) < _cost(macs, lengths, sum(lengths)) \
+        else None
 
 
 _CHECKED = weakref.WeakSet()  # the models whose packing has been checked
+_SHARED_MASK = weakref.WeakKeyDictionary()  # model -> whether it keeps to a 4D attention mask of ours
+
+
+def _hidden(model, ids, positions, mask=None):
+    return model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
+                 output_hidden_states=True).hidden_states[-1][0].float()
 
 
 @torch.no_grad()
 def check_packing(model):
     """Refuses, in one line, a model whose packed rows are not independent (recurrent or state-space layers, an
     attention that ignores restarting position ids): two short rows packed must give the second row's last hidden
-    states as that row gives alone. Once per model, at its first packed pass (so on every rank at the same point: a
-    forward is a collective under ZeRO-3 and FSDP2), in eval mode (no dropout)."""
+    states as that row gives alone. Then notes whether the model keeps to a 4D attention mask (the completion passes'
+    shared prompts): one prompt with two completions after it must give the second completion's as prompt and
+    completion alone. Once per model, at its first packed pass (so on every rank at the same point: a forward is a
+    collective under ZeRO-3 and FSDP2), in eval mode (no dropout)."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed's wrapper: the model's own forward
     if model in _CHECKED:
         return
     device = next(model.parameters()).device
     first, second = torch.arange(3, 8, device=device)[None], torch.arange(11, 15, device=device)[None]
-    training, _ = model.training, model.eval()
-    try:
-        packed = model(input_ids=torch.cat([first, second], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]],
-                       device=device), use_cache=False, output_hidden_states=True).hidden_states[-1][0, 5:].float()
-        alone = model(input_ids=second, use_cache=False, output_hidden_states=True).hidden_states[-1][0].float()
-    finally:
-        model.train(training)
-    scale = alone.abs().max().clamp(min=1e-6)
+    rows = torch.tensor([[3, 4, 5, 6, 7, 11, 12, 13, 14], [3, 4, 5, 6, 7, 20, 21, 22, 0]], device=device)
     # bf16 / fp16 weights round; so do a GPU's kernels (TF32, autocast, a masked attention kernel against a causal one)
     tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 and device.type == "cpu" else 3e-2
-    if not (packed - alone).abs().max() <= tolerance * scale:
-        raise UserError(f"--padding_free: {type(model).__name__} lets packed rows see each other (a row's hidden "
-                        f"states change by {float((packed - alone).abs().max() / scale):.1%} when another row is "
-                        "packed before it: recurrent or state-space layers, or an attention that ignores restarting "
-                        "position ids); train it padded, without --padding_free")
+    training, _ = model.training, model.eval()
+    try:
+        packed = _hidden(model, torch.cat([first, second], 1), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]],
+                         device=device))[5:]
+        alone = _hidden(model, second, None)
+        scale = alone.abs().max().clamp(min=1e-6)
+        if not (packed - alone).abs().max() <= tolerance * scale:
+            raise UserError(f"--padding_free: {type(model).__name__} lets packed rows see each other (a row's hidden "
+                            f"states change by {float((packed - alone).abs().max() / scale):.1%} when another row is "
+                            "packed before it: recurrent or state-space layers, or an attention that ignores "
+                            "restarting position ids); train it padded, without --padding_free")
+        if _dense(model):
+            ids, positions, sees, _ = _shared_prompts(rows, (rows > 0).long(), 5, 12)
+            shared = _hidden(model, ids, positions, _attention_mask(model, sees))[9:]
+            alone = _hidden(model, rows[1:, :8], None)[5:]
+            _SHARED_MASK[model] = bool((shared - alone).abs().max() <= tolerance * alone.abs().max())
+    finally:
+        model.train(training)
     _CHECKED.add(model)
 
 
@@ -142,12 +172,93 @@ def packed_sequence_logps(model, input_ids: torch.Tensor, attention_mask: torch.
             mean_logits.new_zeros(n).index_add(0, rows, mean_logits) / counts)
 
 
-def _predicting(input_ids, attention_mask, prompt_width: int):
-    """The packed row (ids, position ids), the packed position that predicts each completion token that is there
-    [M], and where those tokens sit in input_ids[:, prompt_width:] [B, T]."""
-    ids, positions, place = pack(input_ids, attention_mask)
-    targets = attention_mask[:, prompt_width:].bool()  # completion tokens that are there
-    return ids, positions, place[:, prompt_width - 1:-1][targets], targets
+def _prompt_groups(input_ids, attention_mask, prompt_width: int):
+    """Rows that share a prompt (a prompt's samples): each row's group [B], each group's first row [G], and each
+    group's segment length, its prompt once and all its completions [G]."""
+    _, group = torch.unique(torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], 1), dim=0,
+                            return_inverse=True)
+    rows = torch.arange(len(group), device=group.device)
+    first = group.new_zeros(int(group.max()) + 1).scatter_(0, group.flip(0), rows.flip(0))
+    lengths = attention_mask[first, :prompt_width].sum(-1).index_add(0, group, attention_mask[:, prompt_width:].sum(-1))
+    return group, first, lengths
+
+
+def _shared_prompts(input_ids, attention_mask, prompt_width: int, width: int | None):
+    """Each prompt once, its completions after it (padded, shared_prefix_cache runs it once too): one segment per
+    prompt, segments first-fit, longest first, into packed rows of `width` (None: one row). Returns the packed ids
+    and position ids [K, L] (a completion's continue from its prompt's), who attends to whom [K, L, L] (a
+    completion's token: its prompt and the tokens of its own completion before it; the room at a row's end: itself),
+    and the flattened packed position that predicts each completion token [B, T - prompt_width] (a completion's
+    first: its prompt's last)."""
+    group, first, lengths = _prompt_groups(input_ids, attention_mask, prompt_width)
+    device, n, rows = input_ids.device, len(first), torch.arange(len(input_ids), device=input_ids.device)
+    width = width or int(lengths.sum())
+    starts, fill = _first_fit(lengths.tolist(), width, longest_first=True)
+    starts, size = torch.tensor(starts, device=device), len(fill) * width
+    ids = input_ids.new_zeros(size)
+    room = torch.arange(width, device=device) - torch.tensor(fill, device=device)[:, None]
+    positions = room.clamp(min=0).flatten()
+    segment = n + torch.arange(size, device=device) // width  # the room: a segment of its own per packed row
+    branch = torch.full_like(segment, -1)  # a completion token's row; -1: a prompt's token (or the room)
+    prompt_mask, completion_mask = attention_mask[first, :prompt_width], attention_mask[:, prompt_width:]
+    real, offsets = prompt_mask.bool(), prompt_mask.cumsum(-1) - 1
+    place = (starts[:, None] + offsets)[real]
+    ids[place], positions[place] = input_ids[first, :prompt_width][real], offsets[real]
+    segment[place] = torch.arange(n, device=device)[:, None].expand_as(real)[real]
+    p, c = prompt_mask.sum(-1)[group], completion_mask.sum(-1)  # per row
+    before_mine = torch.nn.functional.one_hot(group, n) * c[:, None]  # completions of the group's earlier rows
+    start = starts[group] + p + (before_mine.cumsum(0) - before_mine)[rows, group]
+    real, offsets = completion_mask.bool(), completion_mask.cumsum(-1) - 1
+    place = start[:, None] + offsets
+    ids[place[real]], positions[place[real]] = input_ids[:, prompt_width:][real], (p[:, None] + offsets)[real]
+    segment[place[real]] = group[:, None].expand_as(real)[real]
+    branch[place[real]] = rows[:, None].expand_as(real)[real]
+    before = torch.where(offsets == 0, (starts[group] + p - 1)[:, None], place - 1)
+    segment, branch = segment.view(-1, width), branch.view(-1, width)
+    sees = (segment[:, :, None] == segment[:, None, :]) & ((branch[:, None, :] == -1) |
+                                                         (branch[:, None, :] == branch[:, :, None]))
+    sees &= torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    return ids.view(-1, width), positions.view(-1, width), sees, torch.where(real, before, -1)
+
+
+def _choose(model, input_ids, attention_mask, prompt_width: int) -> tuple[str, int | None]:
+    """A completion pass's layout for this model, ("rows" or "shared", packed row length or None for one row): SDPA
+    and eager take each row with its prompt ("rows") or each prompt once with its completions ("shared", where the
+    model keeps to a mask of ours and within its sliding window, which that mask would not apply), in bins or one
+    row, whichever _macs counts cheapest; other kernels take each row with its prompt, in one row."""
+    inner, macs = getattr(model, "module", model), _macs(model)
+    if not _dense(model) or macs is None:
+        return "rows", None if not _dense(model) else max(attention_mask.sum(-1).tolist())
+    rows = attention_mask.sum(-1).tolist()
+    shared = _prompt_groups(input_ids, attention_mask, prompt_width)[2].tolist()
+    window = (getattr(inner.config, "sliding_window", None) or sum(shared)) if _SHARED_MASK.get(inner) else 0
+    options = [(_cost(macs, rows, w), "rows", w) for w in (max(rows), sum(rows))]
+    options += [(_cost(macs, shared, w), "shared", w) for w in (max(shared), sum(shared)) if w <= window]
+    _, kind, width = min(options, key=lambda option: option[0])
+    return kind, None if width == sum(rows if kind == "rows" else shared) else width
+
+
+def _layout(model, input_ids, attention_mask, prompt_width: int):
+    """A completion pass's packed rows in _choose's layout: (ids [K, L], position ids [K, L], a 4D attention mask or
+    None (then position ids restarting per row keep rows apart), the flattened packed position that predicts each
+    completion token that is there [M], where those tokens sit in input_ids[:, prompt_width:] [B, T])."""
+    targets = attention_mask[:, prompt_width:].bool()
+    kind, width = _choose(model, input_ids, attention_mask, prompt_width)
+    if kind == "rows":
+        ids, positions, place = pack(input_ids, attention_mask, width)
+        return ids, positions, None, place[:, prompt_width - 1:-1][targets], targets
+    ids, positions, sees, before = _shared_prompts(input_ids, attention_mask, prompt_width, width)
+    return ids, positions, _attention_mask(model, sees), before[targets], targets
+
+
+def _attention_mask(model, sees: torch.Tensor) -> torch.Tensor:
+    """Who attends to whom [K, L, L] as a 4D mask that transformers passes on as it is: SDPA's booleans, or eager's
+    numbers to add to the scores (0, or the dtype's lowest)."""
+    inner = getattr(model, "module", model)
+    if inner.config._attn_implementation == "sdpa":
+        return sees[:, None]
+    dtype = next(inner.parameters()).dtype
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
 
 
 def _unpack(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -159,10 +270,16 @@ def _unpack(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _completion_logits(policy, input_ids, attention_mask, prompt_width: int):
     """From one packed forward: the logits before each completion token that is there, [1, M, V] (only those
-    positions go through the LM head), those tokens [1, M], and where they sit in input_ids[:, prompt_width:]."""
+    positions go through the LM head: a hook on it, inside the model's own forward, keeps them), those tokens [1, M],
+    and where they sit in input_ids[:, prompt_width:]."""
     check_packing(policy)
-    ids, positions, before, targets = _predicting(input_ids, attention_mask, prompt_width)
-    logits = policy(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=before).logits
+    ids, positions, mask, before, targets = _layout(policy, input_ids, attention_mask, prompt_width)
+    head = getattr(policy, "module", policy).get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda module, args: (args[0].flatten(0, 1)[before][None], *args[1:]))
+    try:
+        logits = policy(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).logits
+    finally:
+        hook.remove()
     return logits, input_ids[:, prompt_width:][targets][None], targets
 
 
@@ -191,9 +308,10 @@ def packed_logits_and_values(policy, value_model, input_ids, attention_mask, pro
     padded layout [B, T, V] and [B, T], 0 on padding."""
     logits, _, targets = _completion_logits(policy, input_ids, attention_mask, prompt_width)
     check_packing(value_model)
-    ids, positions, before, _ = _predicting(input_ids, attention_mask, prompt_width)
+    ids, positions, mask, before, _ = _layout(value_model, input_ids, attention_mask, prompt_width)
     backbone = getattr(value_model, value_model.base_model_prefix)
-    hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0, before]
+    hidden = backbone(input_ids=ids, position_ids=positions, attention_mask=mask,
+                      use_cache=False).last_hidden_state.flatten(0, 1)[before]
     return _unpack(logits[0], targets), _unpack(value_model.score(hidden).squeeze(-1).float(), targets)
 
 

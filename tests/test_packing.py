@@ -50,21 +50,30 @@ def test_bin_length_takes_the_cheaper_layout_and_flash_gets_one_packed_row(attn)
     assert bin_length(SimpleNamespace(module=model), mask([6, 5, 5, 4])) == bin_length(model, mask([6, 5, 5, 4]))
 
 
-@pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
-def test_packed_logps_entropy_and_gradient_equal_the_padded_pass(tiny_model, tokenizer, truncation):
-    input_ids, attention_mask, width = left_padded(PROMPTS, COMPLETIONS, tokenizer.pad_token_id)
+def assert_packed_pass_equals_padded(model_path, tokenizer, prompts, completions, temperature, weights, attn="sdpa",
+                                     **truncation):
+    """completion_logps and packed_completion_logps on the same rows, each on a fresh copy of the model: the
+    log-probabilities, entropies, and the gradient of their sum under `weights` [B, T] agree to 1e-5."""
+    input_ids, attention_mask, width = left_padded(prompts, completions, tokenizer.pad_token_id)
     real = attention_mask[:, width:].bool()
     results = []
     for fn in (completion_logps, packed_completion_logps):
-        policy = load_policy(tiny_model, tokenizer).eval()
-        logps, entropy = fn(policy, input_ids, attention_mask, width, TEMPERATURE, entropy=True, **truncation)
-        (logps * real * torch.arange(1, real.shape[1] + 1)).sum().backward()  # weights differ per position
+        policy = load_policy(model_path, tokenizer).eval()
+        policy.set_attn_implementation(attn)
+        logps, entropy = fn(policy, input_ids, attention_mask, width, temperature, entropy=True, **truncation)
+        (logps * real * weights(real.shape)).sum().backward()
         results.append((logps[real], entropy[real], [p.grad.clone() for p in policy.parameters()]))
     (lp_a, h_a, g_a), (lp_b, h_b, g_b) = results
     torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
     torch.testing.assert_close(h_b, h_a, atol=1e-5, rtol=0)
     for a, b in zip(g_a, g_b):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("truncation", [{}, dict(top_k=3)], ids=["full", "top_k"])
+def test_packed_logps_entropy_and_gradient_equal_the_padded_pass(tiny_model, tokenizer, truncation):
+    assert_packed_pass_equals_padded(tiny_model, tokenizer, PROMPTS, COMPLETIONS, TEMPERATURE,
+                                     lambda shape: torch.arange(1, shape[1] + 1), **truncation)  # differ per position
 
 
 def test_a_rows_tokens_change_no_other_rows_packed_logps(tiny_model, tokenizer):
@@ -78,6 +87,104 @@ def test_a_rows_tokens_change_no_other_rows_packed_logps(tiny_model, tokenizer):
     others = [0, 1, 3]
     assert torch.equal(after[others], before[others])
     assert not torch.equal(after[2], before[2])
+
+
+# a prompt's samples as grpo groups them: three rows share prompt A, two share B, one has C; lengths all differ
+GROUPED_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [5, 6, 7, 8, 9, 10, 11], [40, 41], [50, 51, 52, 53],
+                   [5, 6, 7, 8, 9, 10, 11]]
+GROUPED_COMPLETIONS = [[20, 21, 22, 23, 24], [25], [26, 27], [28, 29, 30, 31, 32, 33], [34, 35, 36], [37]]
+LAYOUTS = {"shared-bins": ("shared", 16), "shared-one-row": ("shared", None), "rows-bins": ("rows", 12),
+           "rows-one-row": ("rows", None)}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_completion_layout_gives_the_padded_logps_entropy_and_gradient(tiny_model, tokenizer, monkeypatch,
+                                                                            layout, attn):
+    """The completion passes' four layouts, each forced (prompts shared, each once with its completions after it
+    under a mask of ours, or each row with its prompt; in bins of 16 / 12, more than one with room, or one row), on
+    rows that share prompts in groups of 3, 2 and 1: the padded pass's log-probabilities at temperature 0.7, its
+    entropies, and its gradient under weights that differ per token."""
+    from common import packing
+    monkeypatch.setattr(packing, "_choose", lambda *args: LAYOUTS[layout])
+    assert_packed_pass_equals_padded(tiny_model, tokenizer, GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0.7,
+                                     lambda shape: torch.arange(1.0, shape.numel() + 1).view(shape) % 7 - 3, attn)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_completion_sees_its_prompt_and_not_the_completions_beside_it(tiny_model, tokenizer, monkeypatch, attn):
+    """Prompts shared, in one packed row: a change to row 0's completion (prompt A's first) leaves its siblings'
+    log-probabilities (rows 2 and 5, packed after it) and every other row's as they were; a change to prompt A
+    changes all three of its rows and no other."""
+    from common import packing
+    monkeypatch.setattr(packing, "_choose", lambda *args: ("shared", None))
+    policy = load_policy(tiny_model, tokenizer).eval()
+    policy.set_attn_implementation(attn)
+    input_ids, attention_mask, width = left_padded(GROUPED_PROMPTS, GROUPED_COMPLETIONS, tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = packed_completion_logps(policy, input_ids, attention_mask, width, TEMPERATURE)
+        changed = input_ids.clone()
+        changed[0, width:width + 3] += 7
+        after = packed_completion_logps(policy, changed, attention_mask, width, TEMPERATURE)
+        prompt = input_ids.clone()
+        prompt[[0, 2, 5], width - 2] += 3  # prompt A, in each of its rows
+        moved = packed_completion_logps(policy, prompt, attention_mask, width, TEMPERATURE)
+    assert torch.equal(after[1:], before[1:]) and not torch.equal(after[0], before[0])
+    assert all(not torch.equal(moved[r], before[r]) for r in (0, 2, 5))
+    assert torch.equal(moved[[1, 3, 4]], before[[1, 3, 4]])
+
+
+def test_the_completion_layout_is_the_cheapest_by_the_count(tiny_model, tokenizer, monkeypatch):
+    """_choose on the tiny model's shape, each option's multiply-adds counted here (a position 1 x (4 h^2 + 3 h f) +
+    V h, a pair of positions in one packed row 2 h): a long prompt shared by 4 short completions is packed once;
+    a one-token prompt before 2 long completions goes row by row, in bins; the shared layout is not taken beyond a
+    sliding window, by a model that ignores a 4D mask, or with flash-attention (one row)."""
+    from common import packing
+    policy = load_policy(tiny_model, tokenizer).eval()
+    config = policy.config
+    h, f, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    position, pair = layers * (4 * h * h + 3 * h * f) + v * h, 2 * h * layers
+    packing.check_packing(policy)
+
+    def cost(rows, width):  # rows packed in `rows` bins of `width`
+        return rows * width * (position + width * pair)
+
+    def choose(prompts, completions):
+        ids, mask, width = left_padded(prompts, completions, tokenizer.pad_token_id)
+        return packing._choose(policy, ids, mask, width)
+    four = [list(range(3 + k, 43 + k)) for k in range(4) for _ in range(4)], [[50, 51, 52]] * 16
+    # 4 prompts of 40, each with 4 completions of 3: shared, 4 segments of 52 in bins, against one row of 208, and
+    # 16 rows of 43 (in 16 bins or one row of 688)
+    assert cost(4, 52) < min(cost(1, 208), cost(16, 43), cost(1, 688))
+    assert choose(*four) == ("shared", 52)
+    # one of them: its segment in one row
+    assert cost(1, 52) < min(cost(4, 43), cost(1, 172))
+    assert choose(four[0][:4], four[1][:4]) == ("shared", None)
+    # a prompt of 1 before 2 completions of 120: 2 bins of 121, against one row of 242 or shared, 241
+    assert cost(2, 121) < min(cost(1, 241), cost(1, 242))
+    assert choose([[3]] * 2, [list(range(4, 124))] * 2) == ("rows", 121)
+    monkeypatch.setattr(config, "sliding_window", 50, raising=False)  # 52 > 50: rows, in bins of 43
+    assert choose(*four) == ("rows", 43)
+    monkeypatch.setattr(config, "sliding_window", None)
+    monkeypatch.setitem(packing._SHARED_MASK, policy, False)
+    assert choose(*four) == ("rows", 43)
+    monkeypatch.setattr(config, "_attn_implementation", "flash_attention_2")
+    assert choose(*four) == ("rows", None)
+
+
+def test_the_packing_check_notes_a_model_that_ignores_a_4d_mask(monkeypatch):
+    """A model whose forward drops the attention mask keeps packed rows apart (by their position ids) but not a
+    shared prompt's completions: its passes keep each row with its prompt."""
+    from common import packing
+    model, kept = _tiny("llama", "sdpa"), _tiny("llama", "sdpa")
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, attention_mask=None, **k: forward(*a, **k))
+    packing.check_packing(model)
+    packing.check_packing(kept)
+    assert packing._SHARED_MASK[model] is False and packing._SHARED_MASK[kept] is True
+    ids, mask, width = left_padded([list(range(3, 43))] * 4, [[50, 51, 52]] * 4, 0)
+    assert packing._choose(model, ids, mask, width)[0] == "rows"
+    assert packing._choose(kept, ids, mask, width)[0] == "shared"
 
 
 @pytest.mark.parametrize("rows", ["text", "prompt-completion"])
