@@ -25,6 +25,10 @@ Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
   states visited; `--temperature` only explores (it decides which states). Supervised KD's softening temperature
   (Hinton et al. 2015) is another knob, left out.
 - No sampling from the teacher (TRL's seq_kd): off-policy rows use the dataset, which needs no teacher generate.
+- Agents (`--tools`, `--environment_factory`, as grpo.py's: common/episodes.py): the student's episodes, turn after
+  turn with the tools' results between them; the teacher grades the student's own tokens of each episode, the
+  results are context for both (TRL's distillation trainer takes environment_factory too). Fully on-policy only
+  (--lmbda 1): a dataset completion is one turn, with no calls to put results after.
 - Memory: the divergence and its gradient (written out in `_Divergence`) are taken a chunk of positions at a time
   in fp32 (float64 within 0.05 of beta 0 or 1: `_chunk_dtype`), so no fp32 copy of either [B, T, V] logit tensor
   exists (at a 150k vocabulary x 2 x 1024 positions a pair is 2.5 GB) and the student's gradient is one tensor of
@@ -35,6 +39,7 @@ Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
         --teacher_model_name_or_path Qwen/Qwen2.5-7B-Instruct --dataset_name trl-lib/tldr --lmbda 1 --beta 1 ...
 """
 
+import contextlib
 import math
 import os
 import random
@@ -52,6 +57,7 @@ from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
+from common.episodes import EpisodeArgs, episode_metrics, load_tools, run_episodes  # --tools, --environment_factory
 from common.packing import PackingArgs, packed_completion_logits  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
@@ -84,6 +90,8 @@ class Args:
     """split whose prompts are used"""
     max_length: int = 512
     """prompt + completion tokens: prompts lose their start to leave max_new_tokens for the completion"""
+    chat_template_path: str | None = None
+    """a Jinja file or tokenizer whose chat template replaces the student's (e.g. configs/chatml_tools.jinja)"""
 
     # sampling
     max_new_tokens: int = 48
@@ -127,9 +135,10 @@ class Args:
     num_steps: int = 0
     """optimizer steps of the run (set at runtime)"""
 
-    # shared groups, each defined where it is read: common/{models,vllm,checkpoint,tracking}.py
+    # shared groups, each defined where it is read: common/{models,episodes,packing,vllm,checkpoint,tracking}.py
 
     model: ModelArgs = field(default_factory=ModelArgs)
+    episodes: EpisodeArgs = field(default_factory=EpisodeArgs)
     packing: PackingArgs = field(default_factory=PackingArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -281,7 +290,7 @@ def main(args: Args):
     # no --vllm_importance_sampling_*: D_beta is a divergence at each visited state, not an estimate under the
     # sampler; which states vLLM visits does not bias it (token_reward is: use HF generate for it)
     # ---- models and data ----
-    tokenizer = load_tokenizer(args.model_name_or_path, role="student")
+    tokenizer = load_tokenizer(args.model_name_or_path, role="student", chat_template_path=args.chat_template_path)
     teacher_tokenizer = load_tokenizer(args.teacher_model_name_or_path, role="teacher")
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"the teacher '{args.teacher_model_name_or_path}' ({len(teacher_tokenizer)} tokens) and the "
@@ -294,6 +303,13 @@ def main(args: Args):
         raise UserError(f"--lmbda {args.lmbda} trains {1 - args.lmbda:.0%} of prompts on the dataset's completions, "
                         f"but '{args.dataset_name}' has no completion column; use --lmbda 1 or prompt-completion data")
     rows = list(dataset)
+    e, tools = args.episodes, None
+    if e.tools or e.environment_factory:  # multi-turn episodes, the student's (common/episodes.py)
+        if args.lmbda < 1:
+            raise UserError(f"--tools and --environment_factory distil the student's own episodes: use --lmbda 1 "
+                            f"(got {args.lmbda}; a dataset completion is one turn, with no tool calls to answer)")
+        tools = load_tools(tokenizer, e.tools, e.environment_factory, args.per_device_train_batch_size, rows,
+                           timeout=e.tool_timeout)
     check_prompts_fill_a_batch(len(rows), args.per_device_train_batch_size * args.world_size,
                                f"per_device_train_batch_size {args.per_device_train_batch_size} x "
                                f"{args.world_size} processes")
@@ -331,7 +347,8 @@ def main(args: Args):
         # ---- ROLLOUT: the step's completions, the student's samples for the on-policy prompts, the dataset's ----
         if sampler is not None and step > 1:  # the student changed since the engine last got its weights
             sampler.push_weights(model)
-        micro = []  # per micro-batch: (batch, (prompt ids, mask, completion ids, mask, finished, sampled))
+        micro = []  # per micro-batch: (batch, (prompt ids, mask, completion ids, mask, graded, finished, sampled))
+        counts = []  # episodes: each micro-batch's (turns, calls, failures)
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches)
             sampled = [on_policy(args.seed, place, args.lmbda) for _, place in batch]
@@ -340,30 +357,48 @@ def main(args: Args):
             if args.lmbda > 0:  # every rank samples, a prompt at least (sharded, each forward is collective)
                 seeds = [args.seed * 10**9 + place for _, place in chosen] or [0]
                 chosen_prompts = [prompt_ids[i] for i, _ in chosen] or [prompt_ids[batch[0][0]]]
-                if sampler is not None:
-                    if sampler.needs_push:
-                        sampler.push_weights(model)
-                    samples = sampler.generate(tokenizer, chosen_prompts, args.max_new_tokens,
-                                               temperature=args.temperature, seeds=seeds)
-                else:
-                    gather = args.model.ds3_gather_for_generation
-                    with unwrapped_for_generation(accelerator, model, gather) as unwrapped:
-                        samples = generate(unwrapped, tokenizer, chosen_prompts, args.max_new_tokens,
-                                           temperature=args.temperature, seeds=seeds)
+                if sampler is not None and sampler.needs_push:
+                    sampler.push_weights(model)
+                gathered = args.model.ds3_gather_for_generation
+                with (contextlib.nullcontext() if sampler else
+                      unwrapped_for_generation(accelerator, model, gathered)) as unwrapped:
+                    def sample(prompts, seeds, max_new_tokens):  # one turn: vLLM's, or HF generate's
+                        if sampler is not None:
+                            return sampler.generate(tokenizer, prompts, max_new_tokens, temperature=args.temperature,
+                                                    seeds=seeds)
+                        return generate(unwrapped, tokenizer, prompts, max_new_tokens, temperature=args.temperature,
+                                        seeds=seeds)
+                    if tools is None:
+                        samples = sample(chosen_prompts, seeds, args.max_new_tokens)
+                    else:  # the student's episodes: tool results between its turns (context, not graded)
+                        episodes = run_episodes(sample, tokenizer, [rows[i] for i, _ in chosen], tools,
+                                                prompt_ids=None, seeds=seeds, max_new_tokens=args.max_new_tokens,
+                                                max_prompt_length=args.max_length - args.max_new_tokens,
+                                                max_calls=e.max_tool_calling_iterations, accelerator=accelerator)
+                        samples = episodes.samples
+                        counts.append((episodes.turns, episodes.calls, episodes.failures))
                 for (i, place), c, m in zip(chosen, samples.completion_ids, samples.completion_mask):
                     student_ids[place] = c[m.bool()].tolist()
-            tensors, finished = pad_micro_batch(tokenizer, batch, prompt_ids, student_ids, rows, args.max_new_tokens)
+            if tools is None:
+                tensors, finished = pad_micro_batch(tokenizer, batch, prompt_ids, student_ids, rows,
+                                                    args.max_new_tokens)
+                tensors = (*tensors, tensors[3])  # every completion token graded
+            else:  # lmbda 1: every row the student's episode, as run_episodes padded it
+                s = samples
+                tensors, finished = (s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask,
+                                     s.model_mask), s.finished.cpu()
             micro.append((batch, (*(t.to(accelerator.device) for t in tensors), finished, torch.tensor(sampled))))
-        global_tokens = accelerator.reduce(sum(m.sum() for _, (_, _, _, m, _, _) in micro).float(), "sum")
+        global_tokens = accelerator.reduce(sum(m.sum() for _, (_, _, _, _, m, _, _) in micro).float(), "sum")
         num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)
 
         # ---- UPDATE: the teacher grades every completion token; the student moves towards it ----
         stats = defaultdict(float)
-        for batch, (p_ids, p_mask, c_ids, c_mask, finished, sampled) in micro:
+        for batch, (p_ids, p_mask, c_ids, c_mask, graded, finished, sampled) in micro:
             with accelerator.accumulate(model):
-                ids, mask = c_ids, c_mask.float()
+                ids, mask = c_ids, graded.float()  # graded: the student's tokens (an episode's tool results: not)
                 if args.packing.padding_free:  # the completion tokens of one packed row (common/packing.py)
-                    student_logits, ids, mask = packed_completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+                    student_logits, ids, _ = packed_completion_logits(model, p_ids, p_mask, c_ids, c_mask)
+                    mask = graded[c_mask.bool()][None].float()
                     with torch.no_grad():
                         teacher_logits = packed_completion_logits(teacher, p_ids, p_mask, c_ids, c_mask)[0]
                 else:
@@ -390,23 +425,26 @@ def main(args: Args):
             stats["logps/student"] += (logq * mask).sum() / num_tokens
             stats["logps/teacher"] += (logp * mask).sum() / num_tokens
             stats["on_policy_ratio"] += sampled.float().mean()
-            stats["completions/mean_length"] += c_mask.sum(1).float().mean()
+            stats["completions/mean_length"] += graded.sum(1).float().mean()
             stats["val/contain_eos_token"] += finished.float().mean()
         scheduler.step()
         tracker.step()
 
         # ---- LOG ----
         metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        if tools is not None:  # TRL's tools/call_frequency and tools/failure_frequency, the episodes' turns
+            finished = torch.cat([f for _, (*_, f, _) in micro]).to(accelerator.device)
+            metrics |= episode_metrics(accelerator, finished, *(torch.cat(x) for x in zip(*counts)))
         metrics |= {"grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
                     "epoch": step / steps_per_epoch, "num_tokens": global_tokens.item(),
                     "steps_per_second": (step - resumed.get("step", 0)) / (time.time() - start_time)}
         if step % args.eval_steps == 0 or step == 1:
-            batch, (p_ids, p_mask, c_ids, c_mask, _, sampled) = micro[-1]
+            batch, (p_ids, p_mask, c_ids, c_mask, graded, _, sampled) = micro[-1]
             texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
             shown = range(min(args.num_sample_generations, len(batch)))
             tracker.log_samples([{"prompt": rows[batch[j][0]]["prompt"], "completion": texts[j],
                                   "by": "student" if sampled[j] else "dataset",
-                                  "divergence": float((per_token[j] * c_mask[j]).sum() / c_mask[j].sum().clamp(min=1))}
+                                  "divergence": float((per_token[j] * graded[j]).sum() / graded[j].sum().clamp(min=1))}
                                  for j in shown], step)
         tracker.log(metrics, step)
         # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values

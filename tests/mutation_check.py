@@ -542,6 +542,17 @@ MUTATIONS = [
     ("common/packing.py", "(shared - alone).abs().max() <= tolerance", "(shared - alone).abs().max() > tolerance",
      "packing: the start-up check's note on a 4D mask the wrong way round",
      [PACKED + "test_the_packing_check_notes_a_model_that_ignores_a_4d_mask"]),
+    # 149-: gkd's episodes (--environment_factory): the student's own tokens graded, tool results context
+    ("algos/gkd.py", "ids, mask = c_ids, graded.float()", "ids, mask = c_ids, c_mask.float()",
+     "gkd: an episode's tool results graded as the student's own tokens",
+     [EPISODES + "test_gkd_first_step_distils_the_students_tokens_of_each_episode_only[padded]"]),
+    ("algos/gkd.py", "sum(m.sum() for _, (_, _, _, _, m, _, _) in micro)",
+     "sum(m.sum() for _, (_, _, _, m, _, _, _) in micro)",
+     "gkd: the step's token count with an episode's tool results in it",
+     [EPISODES + "test_gkd_first_step_distils_the_students_tokens_of_each_episode_only[padded]"]),
+    ("algos/gkd.py", "mask = graded[c_mask.bool()][None].float()", "mask = c_mask[c_mask.bool()][None].float()",
+     "gkd: packed, an episode's tool results graded",
+     [EPISODES + "test_gkd_first_step_distils_the_students_tokens_of_each_episode_only[padding_free]"]),
 ]
 
 

@@ -270,6 +270,8 @@ CASES = [  # (script, case, rows from the script's good rows, Args fields, the e
     ("gkd", "lmbda", None, dict(lmbda=1.5), r"--lmbda 1.5 and --beta 1.0 must lie in \[0, 1\]"),
     ("gkd", "beta", None, dict(beta=-0.1), r"--lmbda 0.5 and --beta -0.1 must lie in \[0, 1\]"),
     ("gkd", "token_reward", None, dict(loss_type="token_reward"), "needs --lmbda 1 and --temperature 1"),
+    ("gkd", "episodes_off_policy", conversational, dict(environment_factory="tests.toy_tools:Calculator"),
+     r"--tools and --environment_factory distil the student's own episodes: use --lmbda 1 \(got 0.5"),
 ]
 
 

@@ -1,6 +1,7 @@
 """common/episodes.py: multi-turn episodes with tools and environments, driven by a scripted stand-in
 policy (fixed replies per turn) so that every token of an episode is known and worked out by hand here."""
 
+import math
 import os
 
 import pytest
@@ -311,9 +312,9 @@ TURNS = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.for
 
 def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):
     """module's first step with --environment_factory Calculator, episode j's turns TURNS[j % 3] (so its reward,
-    the number of calls, differs within each group), a perturbed reference: (the gradient record, the policy at
-    the recorded weights, the reference, and per episode its prompt ids, its pieces [(ids, the model's?)] worked
-    out by hand, and its reward)."""
+    the number of calls, differs within each group), a perturbed reference (gkd: teacher): (the gradient record,
+    the policy at the recorded weights, the reference, and per episode its prompt ids, its pieces [(ids, the
+    model's?)] worked out by hand, and its reward)."""
     from tests.first_step import gradients_before_clipping, perturbed_reference, policy_with, weights_of, write_splits
     from common.models import load_tokenizer
 
@@ -321,10 +322,11 @@ def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):
     template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
         "<|im_end|>", "<|endoftext|>"))
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
+    lengths = (dict(teacher_model_name_or_path=tiny_model, max_new_tokens=300) if module.__name__ == "algos.gkd" else
+               dict(reward_model_paths=[], max_completion_length=300))
     args = script_args(module.Args, model_name_or_path=tiny_model, dataset_name=write_splits(tmp_path / "data", rows),
-                       reward_model_paths=[], environment_factory="tests.toy_tools:Calculator",
-                       chat_template_path=str(template), max_completion_length=300,
-                       output_dir=str(tmp_path / "out"), **options)
+                       environment_factory="tests.toy_tools:Calculator", chat_template_path=str(template),
+                       output_dir=str(tmp_path / "out"), **lengths, **options)
     tokenizer = load_tokenizer(tiny_model, chat_template_path=str(template))
     n = args.per_device_train_batch_size
     sample, calls = scripted(tokenizer, [TURNS[j % 3] for j in range(n)])
@@ -417,20 +419,52 @@ def test_rloo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path,
     assert_gradient(grads_of(record), {name: gradient(t, policy) for name, t in terms.items()})
 
 
+@pytest.mark.parametrize("padding_free", [False, pytest.param(True, marks=pytest.mark.long)],  # long: lane 1
+                         ids=["padded", "padding_free"])
+def test_gkd_first_step_distils_the_students_tokens_of_each_episode_only(tmp_path, tiny_model, monkeypatch,
+                                                                        padding_free):
+    """gkd.py with --environment_factory and a scripted student, beta 0.3 against a perturbed teacher: the gradient
+    of its first step against D_beta written out here from its definition, at each of the student's own tokens of
+    each episode (logits from one plain forward of the whole episode, in float64), summed and divided by the
+    count of those tokens; tool results and the template's text around them are context for both models, graded
+    nowhere. A divergence over the tool tokens, a shifted position or a count with them in it fails. With
+    --padding_free both models' passes are packed (common/packing.py), under the same masks."""
+    from algos import gkd
+    from tests.first_step import assert_gradient, gradient, grads_of
+
+    args, record, student, teacher, prompts, episodes, _ = scripted_first_step(
+        gkd, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=4, beta=0.3, lmbda=1.0,
+        padding_free=padding_free)
+    beta, tokens, loss = args.beta, sum(len(ids) for pieces in episodes for ids, own in pieces if own), 0.0
+    for p, pieces in zip(prompts, episodes):
+        completion = torch.tensor([p + [t for ids, _ in pieces for t in ids]])
+        own = torch.tensor([float(own) for ids, own in pieces for _ in ids])
+        q = student(completion).logits[0, len(p) - 1:-1].double().log_softmax(-1)  # the student, Q
+        with torch.no_grad():
+            t = teacher(completion).logits[0, len(p) - 1:-1].double().log_softmax(-1)  # the teacher, P
+        m = torch.logsumexp(torch.stack([t + math.log(beta), q + math.log(1 - beta)]), 0)
+        kl_p_m, kl_q_m = (t.exp() * (t - m)).sum(-1), (q.exp() * (q - m)).sum(-1)
+        loss = loss + ((beta * kl_p_m + (1 - beta) * kl_q_m) / (beta * (1 - beta)) * own).sum() / tokens
+    assert any(not own for pieces in episodes for _, own in pieces)  # tool results in the episodes, not graded
+    assert_gradient(grads_of(record), {"divergence": gradient(loss, student)})
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("script", ["grpo", "rloo"])
-def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_path, tiny_model, script):
-    """2 gloo processes whose episodes take 3 turns on rank 0 and 2 on rank 1 (tests/scripted_episodes.py)
-    against 1 process with 2 micro-batches: every rank samples as many turns, the same logged values."""
+@pytest.mark.parametrize("script", ["grpo", "rloo", "gkd"])
+def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_path, tiny_model, sft_model, script):
+    """2 gloo processes whose episodes take different numbers of turns (tests/scripted_episodes.py) against 1
+    process with 2 micro-batches: every rank samples as many turns, the same logged values (gkd: the tiny base
+    model distilled from the SFT model, so that the divergence is not 0)."""
     import json
 
     from tests.conftest import run_script
     from tests.test_multiprocess import TWO_PROCESSES
     from tests.test_sft import read_log
 
-    size = ["--per_device_train_batch_size", "8"] + (["--num_generations", "8"] if script == "grpo" else
-                                                      ["--rloo_k", "4"])
-    flags = [*scripted_flags(tmp_path, tiny_model, script), "--max_steps", "2", "--logging_steps", "1", *size]
+    size = ["--per_device_train_batch_size", "8"] + {"grpo": ["--num_generations", "8"], "rloo": ["--rloo_k", "4"],
+                                                      "gkd": ["--beta", "0.3"]}[script]
+    flags = [*scripted_flags(tmp_path, tiny_model, script, teacher=sft_model), "--max_steps", "2", "--logging_steps",
+             "1", *size]
     run_script(*flags, "--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path / "two"),
                launcher=TWO_PROCESSES, env={**os.environ, "ACCELERATE_USE_CPU": "true"})
     run_script(*flags, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "one"))
@@ -439,22 +473,28 @@ def test_two_processes_with_episodes_of_different_lengths_match_one_process(tmp_
     for a, b in zip(two, one):
         for key in ("tools/call_frequency", "episodes/turns_mean", "episodes/turns_max"):
             assert a[key] == b[key], (key, a[key], b[key])
-        loss = "loss" if script == "grpo" else "loss/policy_avg"
+        loss = {"grpo": "loss", "rloo": "loss/policy_avg", "gkd": "loss"}[script]
         assert a[loss] == pytest.approx(b[loss], abs=1e-5), json.dumps([a, b])
+        if script == "gkd":
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5) and a["loss"] > 0
 
 
-def scripted_flags(tmp_path, tiny_model, script: str) -> list[str]:
-    """tests/scripted_episodes.py's command line for `script` on a 4-prompt conversational set with the
-    calculator environment and the test template (EOS ends a turn)."""
+def scripted_flags(tmp_path, tiny_model, script: str, teacher: str | None = None) -> list[str]:
+    """tests/scripted_episodes.py's command line for `script` on a conversational set (4 prompts; gkd, which takes
+    a batch's prompts without repeats: 16) with the calculator environment and the test template (EOS ends a
+    turn)."""
     from tests.first_step import write_splits
 
     template = tmp_path / "template.jinja"
     template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
         "<|im_end|>", "<|endoftext|>"))
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(4)]
+    gkd = script == "gkd"
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 3 * 2?"}]} for i in range(16 if gkd else 4)]
+    lengths = (["--teacher_model_name_or_path", teacher or tiny_model, "--max_new_tokens", "300"] if gkd else
+               ["--reward_model_paths", "--max_completion_length", "300"])
     return ["tests/scripted_episodes.py", script, "--model_name_or_path", tiny_model, "--dataset_name",
-            write_splits(tmp_path / "data", rows), "--reward_model_paths", "--environment_factory",
-            "tests.toy_tools:Calculator", "--chat_template_path", str(template), "--max_completion_length", "300"]
+            write_splits(tmp_path / "data", rows), "--environment_factory", "tests.toy_tools:Calculator",
+            "--chat_template_path", str(template), *lengths]
 
 
 @pytest.mark.resume
