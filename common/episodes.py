@@ -35,8 +35,9 @@ class EpisodeArgs:
     """multi-turn episodes with tools and environments (common/episodes.py)"""
     tools: list[str] = field(default_factory=list)
     """functions `module:function` the model may call (type hints, Google-style docstring; TRL's tools=)"""
-    environment_factory: str | None = None
-    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward()"""
+    environment_factory: list[str] = field(default_factory=list)
+    """`module:Class` (or a function making one), one per episode: reset(**row); other methods: tools, get_reward();
+    several: `name=module:Class ...`, each row's `environment` field naming its own (TRL's dict)"""
     max_tool_calling_iterations: int | None = None
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
     tool_timeout: float = 60.0
@@ -45,26 +46,50 @@ class EpisodeArgs:
 
 @dataclass
 class Tools:
-    """The functions the model may call, their JSON schemas (rendered by the chat template), and one environment
-    per episode of a batch (reset before each episode; its public methods are tools bound to it)."""
+    """The functions the model may call, their JSON schemas (rendered by the chat template), and the environments:
+    one instance per episode of a batch, from a pool per environment (reset before each episode; its public
+    methods are tools bound to it, rendered in its episode's prompt only)."""
     functions: list
-    schemas: list
+    schemas: list  # the functions' and every environment's (the start-up checks)
     call_format: str  # "hermes" (<tool_call>{...}</tool_call>) or "llama3" (a bare JSON object)
-    environment_class: type | None = None  # what the factory (a class or any callable) returns
-    environments: list | None = None
+    factories: dict = field(default_factory=dict)  # environment name -> factory (None: the only one, unnamed)
+    pools: dict = field(default_factory=dict)  # environment name -> the instances made so far
+    environments: list | None = None  # this batch's, one per episode (`assign`)
     timeout: float | None = None  # seconds a call may take (--tool_timeout); None: no limit, called in place
 
+    def assign(self, rows: list[dict]):
+        """An environment instance for each row's episode: the row's `environment` field names it when there are
+        several (TRL's dict), the k-th episode of an environment in a batch gets its pool's k-th instance."""
+        self.environments, taken = [], {}
+        for row in rows:
+            name = row.get("environment") if None not in self.factories else None
+            if name not in self.factories:
+                raise UserError(f"a row names environment {name!r}, which --environment_factory does not define "
+                                f"(it defines {', '.join(map(str, self.factories))})")
+            pool, taken[name] = self.pools.setdefault(name, []), taken.get(name, -1) + 1
+            if taken[name] == len(pool):
+                pool.append(self.factories[name]())
+            self.environments.append(pool[taken[name]])
+
+    def schemas_for(self, i: int) -> list:
+        """The schemas episode i's prompt renders: the functions' and its own environment's methods'."""
+        cls = type(self.environments[i]) if self.environments else None
+        return self.schemas[:len(self.functions)] + ([schema(getattr(cls, n), f"{cls.__name__}.{n}")
+                                                      for n in environment_methods(cls)] if cls else [])
+
     def reward_functions(self) -> list:
-        """[(the environment class's name, a reward function calling each episode's get_reward())], if it has one."""
-        if not callable(getattr(self.environment_class, "get_reward", None)):
-            return []
-        return [(self.environment_class.__name__, lambda environments, **_: [env.get_reward() for env in environments])]
+        """[(an environment class's name, a reward function calling get_reward() of each episode's environment of
+        that class, None for the others)] for each class that has one."""
+        classes = dict.fromkeys(type(pool[0]) for pool in self.pools.values())
+        return [(cls.__name__, lambda environments, _cls=cls, **_: [e.get_reward() if type(e) is _cls else None
+                                                                     for e in environments])
+                for cls in classes if callable(getattr(cls, "get_reward", None))]
 
     def for_episode(self, i: int) -> dict:
         """name -> callable for episode i: the plain functions and its environment's methods."""
         env = self.environments[i] if self.environments else None
         return {f.__name__: f for f in self.functions} | ({name: getattr(env, name) for name in
-                                                           environment_methods(self.environment_class)} if env else {})
+                                                           environment_methods(type(env))} if env else {})
 
 
 def environment_methods(cls) -> list[str]:
@@ -92,15 +117,26 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
         raise UserError("--tools and --environment_factory need conversational prompts (lists of messages), and no "
                         "--dynamic_sampling (an environment's reset may change a prompt, which it could not rebuild)")
     functions = [import_function(spec, "tool") for spec in function_specs]
-    factory = import_function(environment_factory, "environment factory") if environment_factory else None
-    environments = [factory() for _ in range(num_episodes)] if factory else None  # TRL: any callable
-    cls = type(environments[0]) if factory else None
-    if factory is not None and not callable(getattr(cls, "reset", None)):
-        raise UserError(f"environment factory '{environment_factory}' makes environments with no reset(**row) method")
-    schemas = [schema(f, spec) for f, spec in zip(functions, function_specs)] + (
-        [schema(getattr(cls, n), f"{cls.__name__}.{n}") for n in environment_methods(cls)] if factory else [])
+    specs = [environment_factory] if isinstance(environment_factory, str) else list(environment_factory or [])
+    named = [spec.partition("=")[::2] if "=" in spec else (None, spec) for spec in specs]
+    if len(named) > 1 and any(name is None for name, _ in named):
+        raise UserError("several --environment_factory need a name each, `name=module:Class` (each row's "
+                        f"`environment` field picks one); got {' '.join(specs)}")
+    factories = {name: import_function(path, "environment factory") for name, path in named}  # TRL: any callable
+    pools = {name: [factory() for _ in range(num_episodes if name is None else 1)] for name, factory in
+             factories.items()}  # one environment: an instance per episode slot; several: one each, more as needed
+    for (name, path), pool in zip(named, pools.values()):
+        if not callable(getattr(type(pool[0]), "reset", None)):
+            raise UserError(f"environment factory '{path}' makes environments with no reset(**row) method")
+    unknown = {row.get("environment") for row in rows} - set(factories) if None not in factories else set()
+    if factories and unknown:
+        raise UserError(f"rows name environments {', '.join(map(repr, sorted(map(str, unknown))))} that "
+                        f"--environment_factory does not define (it defines {', '.join(map(str, factories))})")
+    classes = dict.fromkeys(type(pool[0]) for pool in pools.values())
+    schemas = [schema(f, spec) for f, spec in zip(functions, function_specs)] + [
+        schema(getattr(cls, n), f"{cls.__name__}.{n}") for cls in classes for n in environment_methods(cls)]
     if not schemas:
-        raise UserError(f"environment factory '{environment_factory}' has no public method for the model to call")
+        raise UserError(f"environment factory '{specs[0]}' has no public method for the model to call")
     template = tokenizer.chat_template or ""
     probe = [{"role": "user", "content": "x"}]
     if not template or schemas[0]["function"]["name"] not in tokenizer.apply_chat_template(probe, tools=schemas,
@@ -118,7 +154,7 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
                         "writes <tool_call>{...}</tool_call> (ChatML / Qwen / Hermes, e.g. configs/chatml_tools.jinja) "
                         "or Llama 3's bare JSON (--chat_template_path)")
     tool_turn_text(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}])  # as a turn
-    return Tools(functions, schemas, call_format, cls, environments, timeout or None)
+    return Tools(functions, schemas, call_format, factories, pools, timeout=timeout or None)
 
 
 def parse_tool_calls(text: str, call_format: str) -> tuple[str, list]:
@@ -252,10 +288,13 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
         ones = torch.ones(len(rows), dtype=torch.long, device=out.completion_ids.device)
         return Episodes(replace(out, model_mask=out.completion_mask), completions, ones, 0 * ones, 0 * ones, {})
     prompts = [[dict(m) for m in without_nulls(row["prompt"])] for row in rows]
-    for i, row in enumerate(rows):
+    if tools.factories:
+        tools.assign(rows)
+    for i, row in enumerate(rows):  # several environments: `environment` picks one, reset does not get it (TRL)
+        row = {k: v for k, v in row.items() if k != "environment"} if None not in tools.factories else row
         if tools.environments and (extra := tools.environments[i].reset(**row)):
             prompts[i][-1]["content"] += extra  # TRL's rule: reset's string goes at the end of the last message
-    context = [encode_prompt(tokenizer, p, tools.schemas)[-max_prompt_length:] for p in prompts]
+    context = [encode_prompt(tokenizer, p, tools.schemas_for(i))[-max_prompt_length:] for i, p in enumerate(prompts)]
     n = len(rows)
     ids, own, logps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     completions, finished = [[] for _ in range(n)], [False] * n

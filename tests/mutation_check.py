@@ -38,6 +38,7 @@ DPO_BCO = "tests/test_dpo.py::test_bco_pair_running_mean_of_the_rewards_of_earli
 ASYNC_VERSIONS = "tests/test_async.py::test_update_t_learns_from_a_batch_drawn_by_the_weights_of_version_t_minus_k"
 ASYNC_DROP = "tests/test_async.py::test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken"
 EPISODES = "tests/test_episodes.py::"
+SEVERAL = [EPISODES + "test_several_environments_each_rows_own_instance_tools_reset_and_reward"]
 EPISODES_ROOM = EPISODES + "test_episodes_with_different_room_left_share_a_call_and_each_is_cut_at_its_own_room"
 EPISODES_FAMILIES = (EPISODES + "test_each_familys_template_is_tried_at_start_up_and_appends_tool_results_as_it_"
                                  "renders_them")
@@ -553,6 +554,21 @@ MUTATIONS = [
     ("algos/gkd.py", "mask = graded[c_mask.bool()][None].float()", "mask = c_mask[c_mask.bool()][None].float()",
      "gkd: packed, an episode's tool results graded",
      [EPISODES + "test_gkd_first_step_distils_the_students_tokens_of_each_episode_only[padding_free]"]),
+    # 152-: several environments (--environment_factory name=module:Class ...)
+    ("common/episodes.py", "return self.schemas[:len(self.functions)] + (", "return self.schemas + (",
+     "episodes: every environment's tools rendered in every episode's prompt",
+     SEVERAL),
+    ("common/episodes.py", "[e.get_reward() if type(e) is _cls else None", "[e.get_reward() if True else None",
+     "episodes: an environment class's reward read from the other environments' episodes too",
+     SEVERAL),
+    ("common/episodes.py", 'if k != "environment"} if None not in tools.factories else row',
+     "if True} if None not in tools.factories else row",
+     "episodes: reset gets the row's `environment` field",
+     SEVERAL),
+    ("common/episodes.py", "pool, taken[name] = self.pools.setdefault(name, []), taken.get(name, -1) + 1",
+     "pool, taken[name] = self.pools.setdefault(name, []), 0",
+     "episodes: every episode of an environment in a batch given its pool's first instance",
+     SEVERAL),
 ]
 
 

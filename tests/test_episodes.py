@@ -105,6 +105,51 @@ def test_a_three_turn_episode_token_by_token(chat_tokenizer, factory):
     assert name == "Calculator" and reward(environments=tools.environments) == [2.0]
 
 
+ENVIRONMENTS = ["calc=tests.toy_tools:Calculator", "capitals=tests.toy_tools:Capitals"]
+LOOKUP = '<tool_call>\n{{"name": "capital", "arguments": {{"country": "{}"}}}}\n</tool_call>'
+
+
+def test_several_environments_each_rows_own_instance_tools_reset_and_reward(chat_tokenizer):
+    """Two named environments (TRL's dict environment_factory): each row's `environment` field picks one; its
+    episode's prompt renders that environment's tools only, its calls go to its own instance, reset does not get
+    the `environment` field, each class's get_reward scores its own episodes (None for the others); a second batch
+    reuses the instances (more are made only when a batch needs more of one environment)."""
+    tok = chat_tokenizer
+    rows = [{**ROW, "environment": name} for name in ("calc", "capitals", "calc")]
+    tools = load_tools(tok, [], ENVIRONMENTS, num_episodes=3, rows=rows)
+    sample, calls = scripted(tok, [[CALL.format(2, 3), "6"], [LOOKUP.format("France"), "Paris"], ["42"]])
+    episodes = run_episodes(sample, tok, rows, tools, seeds=[0, 1, 2], max_new_tokens=300, max_prompt_length=1000,
+                            max_calls=None, prompt_ids=None, accelerator=Processes())
+    prompts = [tok.decode(p) for p in calls[0]["prompts"]]
+    assert ['"name": "multiply"' in p for p in prompts] == [True, False, True]
+    assert ['"name": "capital"' in p for p in prompts] == [False, True, False]
+    assert prompts[0].endswith("(a calculator is available)" + tok.eos_token + "\n<|im_start|>assistant\n")
+    answers = [[m["content"] for m in c if m["role"] == "tool"] for c in episodes.completions]
+    assert answers == [["6"], ["Paris"], []]
+    calc, capitals, other = tools.environments
+    assert [type(e).__name__ for e in tools.environments] == ["Calculator", "Capitals", "Calculator"]
+    assert calc is not other and capitals.reset_with == ["answer", "prompt"]  # no `environment` for reset
+    rewards = dict(tools.reward_functions())
+    assert rewards["Calculator"](environments=tools.environments) == [1.0, None, 0.0]
+    assert rewards["Capitals"](environments=tools.environments) == [None, 1.0, None]
+    assert episodes.columns["environments"] == [calc, capitals, other]
+    tools.assign([rows[1], rows[0], rows[1], rows[2]])  # the next batch: its instances, one more Capitals
+    assert tools.environments[:3] == [capitals, calc, tools.pools["capitals"][1]] and tools.environments[3] is other
+    assert {name: len(pool) for name, pool in tools.pools.items()} == {"calc": 2, "capitals": 2}
+
+
+def test_an_unknown_or_unnamed_environment_is_one_error(chat_tokenizer):
+    rows = [{**ROW, "environment": name} for name in ("calc", "maps")]
+    with pytest.raises(UserError, match="rows name environments 'maps' that --environment_factory does not define "
+                                        r"\(it defines calc, capitals\)"):
+        load_tools(chat_tokenizer, [], ENVIRONMENTS, num_episodes=2, rows=rows)
+    with pytest.raises(UserError, match="several --environment_factory need a name each"):
+        load_tools(chat_tokenizer, [], ["tests.toy_tools:Calculator", "capitals=tests.toy_tools:Capitals"], 2)
+    tools = load_tools(chat_tokenizer, [], ENVIRONMENTS, num_episodes=2, rows=rows[:1])
+    with pytest.raises(UserError, match="a row names environment 'maps'"):  # a row the start-up check did not see
+        tools.assign(rows)
+
+
 def test_failed_calls_are_answered_and_counted_and_episodes_end_as_they_should(chat_tokenizer):
     tok = chat_tokenizer
     tools = load_tools(tok, ["tests.toy_tools:multiply", "tests.toy_tools:broken"], None, num_episodes=5)

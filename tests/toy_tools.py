@@ -1,5 +1,5 @@
-"""Tools and an environment for the multi-turn tests (`--tools tests.toy_tools:multiply`,
-`--environment_factory tests.toy_tools:Calculator` or its function factory `make_calculator`)."""
+"""Tools and environments for the multi-turn tests (`--tools tests.toy_tools:multiply`,
+`--environment_factory tests.toy_tools:Calculator` or its function factory `make_calculator`; Capitals beside it)."""
 
 
 def multiply(a: int, b: int) -> int:
@@ -45,3 +45,23 @@ class Calculator:
 def make_calculator() -> Calculator:
     """An environment factory that is a function, not a class (TRL takes any callable)."""
     return Calculator()
+
+
+class Capitals:
+    """A second environment (`--environment_factory calc=tests.toy_tools:Calculator capitals=tests.toy_tools:Capitals`,
+    each row's `environment` field picking one): looks capitals up; its reward is the count of lookups."""
+
+    def reset(self, **row) -> None:
+        self.looked, self.reset_with = 0, sorted(row)
+
+    def capital(self, country: str) -> str:
+        """The capital city of a country.
+
+        Args:
+            country: the country's English name
+        """
+        self.looked += 1
+        return {"France": "Paris", "Japan": "Tokyo"}.get(country, "unknown")
+
+    def get_reward(self) -> float:
+        return float(self.looked)
