@@ -40,6 +40,7 @@ Decided against TRL's GKD (its GKDTrainer, read in 2026), on purpose:
 """
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -55,9 +56,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import check_columns, check_prompts_fill_a_batch, encode_completion, encode_prompt, load_split
+from common.episodes import EpisodeArgs, episode_metrics, load_tools, run_episodes  # --tools, --environment_factory
 from common.generation import generate, pad, shifted_logits, token_logprobs, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen
-from common.episodes import EpisodeArgs, episode_metrics, load_tools, run_episodes  # --tools, --environment_factory
 from common.packing import PackingArgs, packed_completion_logits  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
@@ -267,6 +268,14 @@ def pad_micro_batch(tokenizer, batch, prompt_ids, student_ids: dict, rows, max_n
     return (p_ids, p_mask, c_ids, c_mask), torch.tensor([bool(c) and c[-1] == tokenizer.eos_token_id for c in ids])
 
 
+def sample_turn(policy, sampler, tokenizer, prompts: list, seeds: list[int], max_new_tokens: int, *,
+                temperature: float):
+    """One turn of the student for these prompts (token ids), a seed each: vLLM's (sampler), or HF generate's."""
+    if sampler is not None:
+        return sampler.generate(tokenizer, prompts, max_new_tokens, temperature=temperature, seeds=seeds)
+    return generate(policy, tokenizer, prompts, max_new_tokens, temperature=temperature, seeds=seeds)
+
+
 def main(args: Args):
     check_flags(args)  # before anything loads: sizes and rates > 0, an output_dir free to use
     if not 0 <= args.lmbda <= 1 or not 0 <= args.beta <= 1:
@@ -362,12 +371,7 @@ def main(args: Args):
                 gathered = args.model.ds3_gather_for_generation
                 with (contextlib.nullcontext() if sampler else
                       unwrapped_for_generation(accelerator, model, gathered)) as unwrapped:
-                    def sample(prompts, seeds, max_new_tokens):  # one turn: vLLM's, or HF generate's
-                        if sampler is not None:
-                            return sampler.generate(tokenizer, prompts, max_new_tokens, temperature=args.temperature,
-                                                    seeds=seeds)
-                        return generate(unwrapped, tokenizer, prompts, max_new_tokens, temperature=args.temperature,
-                                        seeds=seeds)
+                    sample = functools.partial(sample_turn, unwrapped, sampler, tokenizer, temperature=args.temperature)
                     if tools is None:
                         samples = sample(chosen_prompts, seeds, args.max_new_tokens)
                     else:  # the student's episodes: tool results between its turns (context, not graded)
@@ -384,9 +388,9 @@ def main(args: Args):
                                                     args.max_new_tokens)
                 tensors = (*tensors, tensors[3])  # every completion token graded
             else:  # lmbda 1: every row the student's episode, as run_episodes padded it
-                s = samples
-                tensors, finished = (s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask,
-                                     s.model_mask), s.finished.cpu()
+                tensors = (samples.prompt_ids, samples.prompt_mask, samples.completion_ids, samples.completion_mask,
+                           samples.model_mask)
+                finished = samples.finished.cpu()
             micro.append((batch, (*(t.to(accelerator.device) for t in tensors), finished, torch.tensor(sampled))))
         global_tokens = accelerator.reduce(sum(m.sum() for _, (_, _, _, _, m, _, _) in micro).float(), "sum")
         num_tokens = global_tokens / (args.gradient_accumulation_steps * args.world_size)
