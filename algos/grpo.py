@@ -32,17 +32,16 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # copies import their own common/
 from common.checkpoint import CheckpointArgs, Checkpointer, save_model
 from common.data import as_completions, load_prompts, prompt_batches
-from common.generation import (SamplingArgs, completion_logps, generate, pad, rollout_logps,
-                               unwrapped_for_generation)
+from common.generation import SamplingArgs, completion_logps, generate, pad, rollout_logps, unwrapped_for_generation
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.rewards import compute_rewards, last_token_scores, load_reward_sources
-from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
-                            setup, stop_on_signal)
+from common.rewards import asks_for_extras, compute_rewards, last_token_scores, load_reward_sources
+from common.runtime import UserError, check_flags, exit_on_user_error, flags, lr_scheduler, setup, stop_on_signal
 from common.tracking import Tracker, TrackingArgs, reduce_stats
 # features, each entered only where its flags are given (docs/layout.md)
 from common.episodes import EpisodeArgs, episode_metrics, load_tools
 from common.packing import PackingArgs, packed_completion_logps, packed_scores
 from common.resume import resume
+from common.reward_extras import RewardExtras
 from common.rollouts import RolloutArgs, RolloutStream, check_features
 from common.sampler_correction import SamplerCorrectionArgs, importance_metrics, importance_weights
 from common.vllm import VLLMArgs, VLLMSampler
@@ -83,7 +82,7 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """the overlong punishment of a completion that reaches max_completion_length"""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full"""
+    """DAPO dynamic sampling: drop groups whose rewards all agree, sample more prompts until the batch is full"""
     max_dynamic_sampling_rounds: int = 10
     """generation batches sampled at most per rollout; then constant groups fill what is missing"""
 
@@ -93,7 +92,7 @@ class Args:
     disable_dropout: bool = True
     """no dropout (LoRA's too): the first pass's ratio is exactly 1 (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
-    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    """data with a prompt column (other columns go to reward functions); "": none, an environment's reset() prompts"""
     dataset_train_split: str = "train"
     """split whose prompts are used"""
     max_prompt_length: int = 512
@@ -101,7 +100,7 @@ class Args:
     reward_model_paths: list[str] | None = None
     """reward models (one-output classifiers; default output/reward without --reward_funcs)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL does (None or NaN: unscored; common/rewards.py)"""
+    """reward functions `module:function`, called as TRL calls them (None or NaN: unscored; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
     chat_template_path: str | None = None
@@ -264,7 +263,7 @@ class Rollout:
 
 
 def main(args: Args):
-    check_flags(args)  # before anything loads: sizes and rates > 0, a free output_dir
+    check_flags(args)
     accelerator = setup(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps,
                         per_device_train_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm,
                         bf16=args.model.bf16, ddp_timeout=args.checkpoint.ddp_timeout)
@@ -303,13 +302,13 @@ def main(args: Args):
     logps_of, scores_of = ((packed_completion_logps, packed_scores) if args.packing.padding_free
                            else (completion_logps, last_token_scores))
     batched = dict(batch_size=args.per_device_train_batch_size, logps=logps_of, **logps_options)
-    loss_options = dict(loss_type=args.loss_type, epsilon=args.epsilon, beta=args.beta,
-                        epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                        importance_sampling_level=args.importance_sampling_level,
-                        max_completion_length=args.max_completion_length,
-                        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
+    loss_options = {k: getattr(args, k) for k in ("loss_type", "epsilon", "beta", "importance_sampling_level",
+                    "max_completion_length", "sapo_temperature_pos", "sapo_temperature_neg")}
+    loss_options["epsilon_high"] = args.epsilon if args.epsilon_high is None else args.epsilon_high
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
+    extras = (RewardExtras(accelerator, args, len(rows) * args.num_generations)
+              if asks_for_extras(args.reward_funcs) else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
                              args.max_steps)
@@ -320,7 +319,7 @@ def main(args: Args):
     checkpointer = Checkpointer(accelerator, scheduler, args.checkpoint, output_dir=args.output_dir,
                                 run_name=args.tracking.run_name)
     resumed = resume(checkpointer) if args.checkpoint.resume_from_checkpoint else {}
-    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # a resumed run logs on in its JSONL
+    args.tracking.run_name = resumed.get("run_name", args.tracking.run_name)  # logs on in its JSONL
     tracker = Tracker(accelerator, args.tracking, output_dir=args.output_dir, config=flags(args),
                       total_steps=args.max_steps, start_step=resumed.get("step", 0))
     accelerator.print(f"{len(rows)} prompts; {args.max_steps} steps; {local_size} completions per process and "
@@ -338,16 +337,15 @@ def main(args: Args):
     stream = None
     if sampler or tools or args.rollouts.max_staleness:
         stream = RolloutStream(accelerator, args, rows, prompt_ids, tools, prompts_iter, resumed, model=model,
-                               tokenizer=tokenizer, sampler=sampler, generate=generate,
-                               batch_size=args.generation_batch_size, **sampling,
-                               logps=functools.partial(rollout_logps, **batched))  # the behaviour's (K >= 1)
+                               tokenizer=tokenizer, sampler=sampler, generate=generate, **sampling,
+                               batch_size=args.generation_batch_size, logps=functools.partial(rollout_logps, **batched))
 
-    # a rollout between two of its num_iterations passes is resumed from the checkpoint
+    # resumed between two of a rollout's num_iterations passes
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if stream and rollout is None:
-            stream.publish(model, step // args.num_iterations)  # the weights the next batches come from
-        pool = []  # dynamic sampling: the generation batches drawn, gathered
+            stream.publish(model, step // args.num_iterations)
+        pool = []  # dynamic sampling's generation batches, gathered
         while rollout is None:
             # ---- ROLLOUT: num_generations completions per prompt from the current policy ----
             if stream is None:  # one turn with HF generate, a seed per completion from its place in the run
@@ -356,20 +354,21 @@ def main(args: Args):
                 with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
                     samples = generate(policy, tokenizer, [prompt_ids[i] for i in indices], seeds=seeds, **sampling)
                 texts = tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
-                completions = as_completions([rows[i]["prompt"] for i in indices], texts)
-                c_mask, columns, extra = samples.completion_mask, {}, {}
-            else:  # episodes (tool results: context, not trained), vLLM's samples, or drawn ahead (K >= 1)
+                prompts = [rows[i]["prompt"] for i in indices]
+                completions, c_mask, columns, extra = as_completions(prompts, texts), samples.completion_mask, {}, {}
+            else:  # episodes (tool results: context, not trained), vLLM's, or drawn ahead (K >= 1)
                 indices, episodes = stream.next_batch(step // args.num_iterations)
                 samples, completions, columns = episodes.samples, episodes.completions, episodes.columns
-                c_mask, extra = samples.model_mask, episodes.batch() if tools else {}
-            episode += args.generation_batch_size
+                c_mask, extra, prompts = samples.model_mask, episodes.batch() if tools else {}, episodes.prompts
             c_ids = samples.completion_ids
 
             # ---- SCORE: rewards (NaN: unscored) less the missing-EOS and overlong penalties ----
             columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
             rewards, per_source = compute_rewards(
-                sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,
-                columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)], scores=scores_of)
+                sources, weights, prompts=prompts, completions=completions,
+                columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, samples.completion_mask)],
+                scores=scores_of, call=extras and extras.caller(step, episode))
+            episode += args.generation_batch_size
             rewards = rewards.to(accelerator.device)
             if args.missing_eos_penalty is not None:
                 rewards = rewards - args.missing_eos_penalty * (~samples.finished).float()
@@ -387,11 +386,12 @@ def main(args: Args):
                 if kept is None:
                     continue
                 batch = {k: v.chunk(args.world_size)[rank] for k, v in kept.items()}
+                prompts = [rows[i]["prompt"] for i in batch["indices"].tolist()]
             indices, c_ids, c_mask = batch["indices"].tolist(), batch["completion_ids"], batch["completion_mask"]
             rewards, finished = batch["rewards"], batch["finished"].bool()
             p_ids, p_mask = (batch["prompt_ids"], batch["prompt_mask"]) if tools else (
                 t.to(c_ids.device) for t in pad([prompt_ids[i] for i in indices], tokenizer.pad_token_id, "left"))
-            input_ids = torch.cat([p_ids, c_ids], 1)  # multi-turn: tool results are attended to, not trained
+            input_ids = torch.cat([p_ids, c_ids], 1)  # tool results: attended to, not trained
             attention_mask = torch.cat([p_mask, batch.get("episode_mask", c_mask)], 1)
 
             # ---- ADVANTAGES: relative to the group, over the global batch (unscorable: 0, out of the loss) ----
@@ -402,12 +402,12 @@ def main(args: Args):
             if args.mask_truncated_completions:
                 loss_mask = loss_mask * finished[:, None]
             old_logps = ref_logps = None
-            if args.num_iterations > 1:  # the sampling-time logprobs, kept for all mu passes
+            if args.num_iterations > 1:  # sampling-time logprobs for all mu passes
                 old_logps = rollout_logps(model, input_ids, attention_mask, p_ids.shape[1], **batched)
             if args.beta:
                 with reference(accelerator, model, ref_model) as ref:
                     ref_logps = rollout_logps(ref, input_ids, attention_mask, p_ids.shape[1], **batched)
-            scored = all_rewards[~all_rewards.isnan()]  # the batch's metrics (TRL's names)
+            scored = all_rewards[~all_rewards.isnan()]  # metrics (TRL's names)
             metrics = {
                 "reward": scored.mean().item(), "reward_std": scored.std().item(),
                 "completions/mean_length": accelerator.gather(c_mask.sum(1).float()).mean().item(),
@@ -419,17 +419,19 @@ def main(args: Args):
             if tools:
                 metrics |= episode_metrics(accelerator, finished, batch["turns"], batch["calls"], batch["failures"])
             if args.dynamic_sampling:
-                metrics["dynamic_sampling/rounds"] = len(pool)  # generation batches drawn
+                metrics["dynamic_sampling/rounds"] = len(pool)
+            metrics |= extras.flush() if extras else {}
             texts = tokenizer.batch_decode(c_ids[:args.num_sample_generations], skip_special_tokens=True)
+            shown = extras.rows(len(texts)) if extras else [{}] * len(texts)
             rollout = Rollout(input_ids=input_ids, attention_mask=attention_mask, prompt_width=p_ids.shape[1],
                               completion_mask=c_mask, loss_mask=loss_mask, advantages=advantages,
                               old_logps=old_logps, ref_logps=ref_logps, sampler_logps=batch.get("sampler_logps"),
-                              metrics=metrics, samples=[{"prompt": rows[i]["prompt"], "completion": t, "reward": x}
-                                                        for i, t, x in zip(indices, texts, rewards.tolist())])
+                              metrics=metrics, samples=[{"prompt": p, "completion": t, "reward": x} | e
+                                                        for p, t, x, e in zip(prompts, texts, rewards.tolist(), shown)])
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
-        r, stats, corrections = rollout, defaultdict(float), []  # stats: name -> sum over micro-batches
-        # dapo: the global batch's tokens, scaled to one micro-batch (backward() and DDP average over them)
+        r, stats, corrections = rollout, defaultdict(float), []  # stats: sums over micro-batches
+        # dapo: the global batch's tokens, per micro-batch (backward() and DDP average over them)
         tokens = accelerator.reduce(r.loss_mask.sum(), "sum").clamp(min=1)
         num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
         for s in micro:
@@ -439,7 +441,7 @@ def main(args: Args):
                 old = logps.detach() if r.old_logps is None else r.old_logps[s]  # mu == 1: ratio 1
                 ref_logps = None if r.ref_logps is None else r.ref_logps[s]
                 mask = r.loss_mask[s]
-                is_weights = 1.0  # sampler-mismatch correction: vLLM's pi differs slightly from the trainer's
+                is_weights = 1.0  # sampler correction: vLLM's pi differs slightly from the trainer's
                 if r.sampler_logps is not None and corrected:
                     is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
                                                               **corrected)

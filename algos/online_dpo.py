@@ -38,7 +38,9 @@ from common.generation import generate, shifted_logits, token_logprobs, unwrappe
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
 from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
-from common.rewards import compute_rewards, import_function, last_token_scores, load_reward_sources
+from common.reward_extras import RewardExtras  # a reward function asking for TRL's extras, or async
+from common.rewards import (asks_for_extras, compute_rewards, import_function, last_token_scores,
+                            load_reward_sources)
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
@@ -242,12 +244,14 @@ def main(args: Args):
     ref_model = None  # frozen, never wrapped for DDP; with LoRA, the policy with adapters off
     if not args.model.use_peft:
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
-    judge = None
+    judge = extras = None
     if args.judge:
         judge = import_judge(args.judge)
     else:
         sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
                                                accelerator)
+        extras = (RewardExtras(accelerator, args, 2 * len(rows), table=False)  # TRL's trainer_state, log_metric
+                  if asks_for_extras(args.reward_funcs) else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
@@ -299,7 +303,6 @@ def main(args: Args):
             finished = samples.finished
             input_ids, attention_mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
             prompt_width = p_ids.shape[1]
-            episode += len(pair_indices) * args.world_size
 
             # ---- SCORE: reward models and functions, or the judge; the EOS trick ----
             texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
@@ -311,15 +314,16 @@ def main(args: Args):
             else:
                 columns = {k: [rows[i][k] for i in pair_indices] for k in rows[0] if k != "prompt"}
                 completion_ids = [ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)]
-                scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
-                                                     columns=columns, completion_ids=completion_ids,
-                                                     scores=packed_scores if args.packing.padding_free
-                                                     else last_token_scores)
+                scores, per_source = compute_rewards(
+                    sources, weights, prompts=prompts, completions=completions, columns=columns,
+                    completion_ids=completion_ids, call=extras and extras.caller(step - 1, episode),
+                    scores=packed_scores if args.packing.padding_free else last_token_scores)
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean
                     source_scores[name].append(values.to(accelerator.device))
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
+            episode += len(pair_indices) * args.world_size
 
             # ---- ADVANTAGES (DPO's: the ranking): chosen = the higher score (ties: the first sample). A pair
             # with an unscorable completion (no reward source scored it: NaN) stays out of the loss (its share
@@ -365,6 +369,7 @@ def main(args: Args):
 
         # ---- LOG (TRL's online DPO names) ----
         metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps)
+        metrics |= extras.flush() if extras else {}  # log_metric's
         for name, values in source_scores.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(torch.cat(values)).nanmean().item()
         metrics |= {"objective/non_score_reward": -beta * metrics["objective/kl"],

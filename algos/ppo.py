@@ -39,7 +39,8 @@ from common.models import (ModelArgs, adapt, hint_learning_rate, load_policy, lo
 from common.packing import (PackingArgs, packed_completion_logps, packed_logits_and_values,  # --padding_free
                             packed_scores)
 from common.resume import resume  # --resume_from_checkpoint
-from common.rewards import compute_rewards, last_token_scores, load_reward_sources
+from common.reward_extras import RewardExtras  # a reward function asking for TRL's extras, or async
+from common.rewards import asks_for_extras, compute_rewards, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.sampler_correction import SamplerCorrectionArgs, check_correction, importance_weights
@@ -310,6 +311,7 @@ def main(args: Args):
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
                                            accelerator)
+    extras = RewardExtras(accelerator, args, len(rows)) if asks_for_extras(args.reward_funcs) else None
     model = PolicyAndValue(policy, value_model, args.packing.padding_free)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)
@@ -384,6 +386,7 @@ def main(args: Args):
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(r_ids, r_mask)]
         scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,
                                              columns=columns, completion_ids=completion_ids,
+                                             call=extras and extras.caller(step - 1, episode - args.rollout_batch_size),
                                              scores=packed_scores if args.packing.padding_free else last_token_scores)
         scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:
@@ -467,12 +470,15 @@ def main(args: Args):
                     "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+        metrics |= extras.flush() if extras else {}  # log_metric's
         if sampler is not None:
             metrics["vllm/push_seconds"] = push_seconds
         metrics |= {f"sampling/importance_sampling_ratio/{k}": v.item() for k, v in is_stats.items()}  # TRL's names
         if step % args.eval_steps == 0 or step == 1:
-            tracker.log_samples([{"prompt": p, "response": t, "score": s} for p, t, s in
-                                 zip(batch_prompts, texts, mine.scores.tolist())][:args.num_sample_generations], step)
+            shown = extras.rows(len(texts)) if extras else [{}] * len(texts)  # log_extra's columns
+            tracker.log_samples([{"prompt": p, "response": t, "score": s} | e for p, t, s, e in
+                                 zip(batch_prompts, texts, mine.scores.tolist(), shown)][:args.num_sample_generations],
+                                step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, {"episode": episode, "shuffler": shuffler.get_state()})

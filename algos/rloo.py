@@ -44,7 +44,7 @@ from common.data import as_completions, load_prompts, prompt_batches
 from common.generation import (SamplingArgs, completion_logps, generate, rollout_logps,
                                unwrapped_for_generation)
 from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, load_tokenizer, prepare_frozen, reference
-from common.rewards import compute_rewards, last_token_scores, load_reward_sources
+from common.rewards import asks_for_extras, compute_rewards, last_token_scores, load_reward_sources
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
 from common.tracking import Tracker, TrackingArgs, reduce_stats
@@ -52,6 +52,7 @@ from common.tracking import Tracker, TrackingArgs, reduce_stats
 from common.episodes import EpisodeArgs, episode_metrics, load_tools  # --tools, --environment_factory
 from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
+from common.reward_extras import RewardExtras  # a reward function asking for TRL's extras, or async
 from common.rollouts import RolloutArgs, RolloutStream, check_features  # --use_vllm, multi-turn, --max_staleness
 from common.sampler_correction import SamplerCorrectionArgs, importance_weights  # --vllm_importance_*
 from common.vllm import VLLMArgs, VLLMSampler  # --use_vllm
@@ -93,7 +94,7 @@ class Args:
     disable_dropout: bool = True
     """no dropout (LoRA's included): old and reference logprobs are exact, the first pass's ratio 1 (as TRL)"""
     dataset_name: str = "tiny_tldr/tldr"
-    """data with a prompt column (standard or conversational); other columns go to reward functions"""
+    """data with a prompt column (other columns go to reward functions); "": none, an environment's reset() prompts"""
     dataset_train_split: str = "train"
     """split whose prompts are used"""
     max_prompt_length: int = 512
@@ -261,6 +262,7 @@ def main(args: Args):
                         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
+    extras = RewardExtras(accelerator, args, len(rows) * args.rloo_k) if asks_for_extras(args.reward_funcs) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)
@@ -307,18 +309,20 @@ def main(args: Args):
             stream.publish(model, step - 1)  # the weights the next rollouts are drawn from
             indices, episodes = stream.next_batch(step - 1)
             samples, columns, c_mask = episodes.samples, episodes.columns, episodes.samples.model_mask
-        episode += args.rollout_batch_size
         c_ids, finished = samples.completion_ids, samples.finished
-        prompts, texts = [rows[i]["prompt"] for i in indices], tokenizer.batch_decode(c_ids, skip_special_tokens=True)
+        prompts = episodes.prompts if tools else [rows[i]["prompt"] for i in indices]  # tools: with reset()'s string
+        texts = tokenizer.batch_decode(c_ids, skip_special_tokens=True)
 
         # ---- SCORE: the scores (NaN: no source scored it), minus the penalty of a missing EOS (the EOS trick);
         # a completion as reward functions take it: a string or one assistant message (tools: the episode's) ----
         completions = episodes.completions if tools else as_completions(prompts, texts)
         columns = {k: [rows[i][k] for i in indices] for k in rows[0] if k != "prompt"} | columns
-        scores, per_source = compute_rewards(sources, weights, prompts=prompts, completions=completions,
-                                             columns=columns,
-                                             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, c_mask)],
-                                             scores=scores_of)
+        # completion_ids: the whole episode's, tool results too (TRL's); extras: trainer_state, log_metric, log_extra
+        scores, per_source = compute_rewards(
+            sources, weights, prompts=prompts, completions=completions, columns=columns, scores=scores_of,
+            completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, samples.completion_mask)],
+            call=extras and extras.caller(step - 1, episode))
+        episode += args.rollout_batch_size
         scores = scores.to(accelerator.device)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~finished).float()
@@ -417,6 +421,7 @@ def main(args: Args):
                     "eps": (episode - start_episode) / (time.time() - start_time)}
         for name, values in per_source.items():
             metrics[f"rewards/{name}/mean"] = accelerator.gather(values.to(accelerator.device)).nanmean().item()
+        metrics |= extras.flush() if extras else {}  # log_metric's
         if tools:  # TRL's tool metrics, and the episodes' turns
             metrics |= episode_metrics(accelerator, finished, episodes.turns, episodes.calls, episodes.failures)
         if stream:  # vllm/push_seconds; K >= 1: async/staleness and the seconds each side waited
@@ -425,8 +430,9 @@ def main(args: Args):
             metrics |= {k if "/" in k else f"sampling/importance_sampling_ratio/{k}": v.item()
                         for k, v in is_stats.items()}
         if step % args.eval_steps == 0 or step == 1:
-            table = [{"prompt": p, "completion": text, "score": score}
-                     for p, text, score in zip(prompts, texts, scores.tolist())]
+            shown = extras.rows(len(texts)) if extras else [{}] * len(texts)  # log_extra's columns
+            table = [{"prompt": p, "completion": text, "score": score} | e
+                     for p, text, score, e in zip(prompts, texts, scores.tolist(), shown)]
             tracker.log_samples(table[:args.num_sample_generations], step)
         tracker.log(metrics, step)
         # every --save_steps rollouts, and on SIGTERM / Ctrl-C / non-finite values

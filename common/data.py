@@ -73,11 +73,15 @@ def check_prompts_fill_a_batch(num_prompts: int, batch_prompts: int, how: str):
 
 def load_prompts(tokenizer, name: str, split: str, script: str, max_tokens: int, batch_prompts: int, how: str):
     """The rows of a split with a prompt column and each prompt's token ids (its last max_tokens), refused when they
-    fill no batch of batch_prompts distinct prompts (`how`: the flags that size it)."""
-    dataset = load_split(name, split)
-    check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{name}' (split {split}), given to {script},")
-    rows = list(dataset)
-    check_prompts_fill_a_batch(len(rows), batch_prompts, how)
+    fill no batch of batch_prompts distinct prompts (`how`: the flags that size it). No dataset (name "", with one
+    environment: check_flags): a batch of rows of one empty user message, which reset() fills (TRL's)."""
+    if name:
+        dataset = load_split(name, split)
+        check_columns(dataset, {"prompt-only": ["prompt"]}, f"dataset '{name}' (split {split}), given to {script},")
+        rows = list(dataset)
+        check_prompts_fill_a_batch(len(rows), batch_prompts, how)
+    else:
+        rows = [{"prompt": [{"role": "user", "content": ""}]} for _ in range(batch_prompts)]
     return rows, [encode_prompt(tokenizer, row["prompt"])[-max_tokens:] for row in rows]
 
 
@@ -111,8 +115,8 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
     silently tokenized as a batch)."""
     kinds = {}
     for column in columns:
-        values = dataset.with_format("arrow")[column].to_pylist()  # iterating dataset[column] is ~25x slower
-        values = dataset.features.decode_column(values, column)  # messages of mixed keys: Json, stored as text
+        # through Arrow (iterating dataset[column] is ~25x slower); messages of mixed keys: Json, stored as text
+        values = dataset.features.decode_column(dataset.with_format("arrow")[column].to_pylist(), column)
         for i, value in enumerate(values):
             kind = "messages" if _is_messages(value) else "string" if isinstance(value, str) else None
             if kind is None or (column == "messages" and kind != "messages"):

@@ -50,7 +50,7 @@ class Tools:
     one instance per episode of a batch, from a pool per environment (reset before each episode; its public
     methods are tools bound to it, rendered in its episode's prompt only)."""
     functions: list
-    schemas: list  # the functions' and every environment's (the start-up checks)
+    schemas: dict  # the JSON schemas of the functions (key None) and of each environment class's methods
     call_format: str  # "hermes" (<tool_call>{...}</tool_call>) or "llama3" (a bare JSON object)
     factories: dict = field(default_factory=dict)  # environment name -> factory (None: the only one, unnamed)
     pools: dict = field(default_factory=dict)  # environment name -> the instances made so far
@@ -73,17 +73,14 @@ class Tools:
 
     def schemas_for(self, i: int) -> list:
         """The schemas episode i's prompt renders: the functions' and its own environment's methods'."""
-        cls = type(self.environments[i]) if self.environments else None
-        return self.schemas[:len(self.functions)] + ([schema(getattr(cls, n), f"{cls.__name__}.{n}")
-                                                      for n in environment_methods(cls)] if cls else [])
+        return self.schemas[None] + (self.schemas[type(self.environments[i])] if self.environments else [])
 
     def reward_functions(self) -> list:
         """[(an environment class's name, a reward function calling get_reward() of each episode's environment of
         that class, None for the others)] for each class that has one."""
-        classes = dict.fromkeys(type(pool[0]) for pool in self.pools.values())
         return [(cls.__name__, lambda environments, _cls=cls, **_: [e.get_reward() if type(e) is _cls else None
                                                                      for e in environments])
-                for cls in classes if callable(getattr(cls, "get_reward", None))]
+                for cls in self.schemas if cls is not None and callable(getattr(cls, "get_reward", None))]
 
     def for_episode(self, i: int) -> dict:
         """name -> callable for episode i: the plain functions and its environment's methods."""
@@ -125,21 +122,23 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
     factories = {name: import_function(path, "environment factory") for name, path in named}  # TRL: any callable
     pools = {name: [factory() for _ in range(num_episodes if name is None else 1)] for name, factory in
              factories.items()}  # one environment: an instance per episode slot; several: one each, more as needed
-    for (name, path), pool in zip(named, pools.values()):
+    for (_, path), pool in zip(named, pools.values()):
         if not callable(getattr(type(pool[0]), "reset", None)):
             raise UserError(f"environment factory '{path}' makes environments with no reset(**row) method")
     unknown = {row.get("environment") for row in rows} - set(factories) if None not in factories else set()
     if factories and unknown:
         raise UserError(f"rows name environments {', '.join(map(repr, sorted(map(str, unknown))))} that "
-                        f"--environment_factory does not define (it defines {', '.join(map(str, factories))})")
-    classes = dict.fromkeys(type(pool[0]) for pool in pools.values())
-    schemas = [schema(f, spec) for f, spec in zip(functions, function_specs)] + [
-        schema(getattr(cls, n), f"{cls.__name__}.{n}") for cls in classes for n in environment_methods(cls)]
-    if not schemas:
+                        f"--environment_factory does not define (it defines {', '.join(map(str, factories))}; 'None': "
+                        "no `environment` field, as in a run without a dataset, where one environment gives prompts)")
+    schemas = {None: [schema(f, spec) for f, spec in zip(functions, function_specs)]} | {  # each class once
+        cls: [schema(getattr(cls, n), f"{cls.__name__}.{n}") for n in environment_methods(cls)]
+        for cls in dict.fromkeys(type(pool[0]) for pool in pools.values())}
+    every = [s for group in schemas.values() for s in group]
+    if not every:
         raise UserError(f"environment factory '{specs[0]}' has no public method for the model to call")
     template = tokenizer.chat_template or ""
     probe = [{"role": "user", "content": "x"}]
-    if not template or schemas[0]["function"]["name"] not in tokenizer.apply_chat_template(probe, tools=schemas,
+    if not template or every[0]["function"]["name"] not in tokenizer.apply_chat_template(probe, tools=every,
                                                                                           tokenize=False):
         raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders no tools; "
                         "pass --chat_template_path with one that does (e.g. configs/chatml_tools.jinja)")
@@ -153,7 +152,7 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
         raise UserError(f"tool calls in the chat template's format ({family}) cannot be parsed; use a template that "
                         "writes <tool_call>{...}</tool_call> (ChatML / Qwen / Hermes, e.g. configs/chatml_tools.jinja) "
                         "or Llama 3's bare JSON (--chat_template_path)")
-    tool_turn_text(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}])  # as a turn
+    tool_turn_text(tokenizer, [{"role": "tool", "name": every[0]["function"]["name"], "content": "1"}])  # as a turn
     return Tools(functions, schemas, call_format, factories, pools, timeout=timeout or None)
 
 
@@ -255,6 +254,7 @@ class Episodes:
     calls: torch.Tensor  # [N] tool calls made
     failures: torch.Tensor  # [N] of them failed
     columns: dict  # for reward functions beside the dataset's: environments= (one per episode), as TRL passes them
+    prompts: list  # as the episodes began (an environment's reset() string appended): reward functions' (TRL's)
 
     def batch(self) -> dict:
         """What a script keeps of a multi-turn rollout beside its completions (tensors, gathered alike)."""
@@ -281,13 +281,13 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
     as reward functions take it (a string, or one assistant message). Every process samples as many turns as
     the longest episode on any of them, so sharded decoding stays in step (with nothing left, one token is
     drawn and dropped)."""
+    prompts = [without_nulls(row["prompt"]) for row in rows]  # new lists of new messages: reset's string goes in
     if tools is None:
         out = sample(prompt_ids, seeds, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        completions = as_completions([r["prompt"] for r in rows], texts)
         ones = torch.ones(len(rows), dtype=torch.long, device=out.completion_ids.device)
-        return Episodes(replace(out, model_mask=out.completion_mask), completions, ones, 0 * ones, 0 * ones, {})
-    prompts = [[dict(m) for m in without_nulls(row["prompt"])] for row in rows]
+        return Episodes(replace(out, model_mask=out.completion_mask), as_completions(prompts, texts), ones, 0 * ones,
+                        0 * ones, {}, prompts)
     if tools.factories:
         tools.assign(rows)
     for i, row in enumerate(rows):  # several environments: `environment` picks one, reset does not get it (TRL)
@@ -346,4 +346,4 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
                                                  device=device) if out.sampler_logps is not None else None,
                       model_mask=torch.tensor([x + [0] * (max_new_tokens - len(x)) for x in own], device=device))
     return Episodes(samples, completions, *(torch.tensor(x, device=device) for x in (turns, calls, failures)),
-                    {"environments": tools.environments} if tools.environments else {})
+                    {"environments": tools.environments} if tools.environments else {}, prompts)

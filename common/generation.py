@@ -154,14 +154,10 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
                    *truncate_at_stop(torch.cat(chunks), stop_ids, tokenizer.pad_token_id))
 
 
-def is_sharded(accelerator) -> bool:
-    return accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3
-
-
 def decodes_here(accelerator, gather: bool) -> bool:
     """Whether this rank takes part in a sample table that rank 0 alone prints: rank 0 does; the others too
     when the model stays sharded for it (gather off under ZeRO-3 / FSDP2), each forward being a collective."""
-    return accelerator.is_main_process or (not gather and is_sharded(accelerator))
+    return accelerator.is_main_process or not gather and (accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3)
 
 
 @contextlib.contextmanager
@@ -175,7 +171,7 @@ def unwrapped_for_generation(accelerator, model, gather: bool = True, part: str 
     common with the rest)."""
     unwrapped = accelerator.unwrap_model(model)
     inner = unwrapped if part is None else getattr(unwrapped, part)
-    if not gather or not is_sharded(accelerator):
+    if not gather or not (accelerator.is_fsdp2 or deepspeed_stage(accelerator) == 3):  # ZeRO-3 / FSDP2: sharded
         yield inner
     elif accelerator.is_fsdp2:
         model._get_fsdp_state()._lazy_init()  # the root first (PPO generates with a submodule); private API
@@ -291,9 +287,8 @@ def rollout_logps(policy, input_ids, attention_mask, prompt_width: int, batch_si
                   logps=completion_logps, **truncation):
     """completion_logps (or `logps`, a pass like it) without gradients, batch_size rows at a time (old, reference and
     behaviour logprobs)."""
-    return torch.cat([logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
-                            prompt_width, temperature, **truncation)
-                      for i in range(0, len(input_ids), batch_size)])
+    return torch.cat([logps(policy, input_ids[i:i + batch_size], attention_mask[i:i + batch_size], prompt_width,
+                            temperature, **truncation) for i in range(0, len(input_ids), batch_size)])
 
 
 def shared_prefix_cache(model, input_ids, attention_mask, length: int, **kwargs):

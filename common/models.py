@@ -166,10 +166,9 @@ def rank_bytes(model) -> tuple[int, int]:
     shard, or everything."""
     here = whole = 0
     for p in model.parameters():
-        size = p.element_size()
-        whole += p.numel() * size if getattr(p, "ds_numel", None) is None else p.ds_numel * size
+        whole += (p.numel() if getattr(p, "ds_numel", None) is None else p.ds_numel) * p.element_size()
         here += (p.ds_tensor.numel() + p.data.numel() if hasattr(p, "ds_tensor") else  # partition (+ whole: kept)
-                 p.to_local().numel() if hasattr(p, "to_local") else p.numel()) * size
+                 p.to_local().numel() if hasattr(p, "to_local") else p.numel()) * p.element_size()
     return here, whole
 
 

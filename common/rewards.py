@@ -3,6 +3,7 @@ prompt + completion re-tokenized, ending in EOS, left-truncated) and reward func
 called as TRL does, weighted and summed; weight 0: logged, not summed (an oracle to watch)."""
 
 import importlib
+import inspect
 import math
 import os
 import sys
@@ -13,6 +14,8 @@ from common.data import encode_completion, encode_prompt
 from common.generation import CACHE, pad, real_positions, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
 from common.runtime import UserError
+
+EXTRAS = ("trainer_state", "log_metric", "log_extra")  # TRL's further arguments (common/reward_extras.py)
 
 
 def load_reward_sources(model_paths: list[str], function_specs: list[str], weights: list[float] | None, accelerator,
@@ -37,6 +40,14 @@ def load_reward_sources(model_paths: list[str], function_specs: list[str], weigh
     names = [name for name, _, _ in sources]
     sources = [(f"{name}_{i}" if names.count(name) > 1 else name, fn, tok) for i, (name, fn, tok) in enumerate(sources)]
     return sources, weights
+
+
+def asks_for_extras(specs: list[str]) -> bool:
+    """Whether a function `module:function` of specs is async, or names one of EXTRAS or takes **kwargs: then
+    common/reward_extras.py calls the functions, with the EXTRAS each takes (TRL's contract)."""
+    return any(inspect.iscoroutinefunction(fn) or any(p.name in EXTRAS or p.kind is p.VAR_KEYWORD for p in
+                                                      inspect.signature(fn).parameters.values())
+               for fn in map(import_function, specs))
 
 
 def import_function(spec: str, what: str = "reward function"):
@@ -79,49 +90,58 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
         completion = encode_completion(tokenizer, p, c)[-max_length:]
         prompt = encode_prompt(tokenizer, p)
         pairs.append((prompt[max(0, len(prompt) + len(completion) - max_length):], completion))
-    device = next(model.parameters()).device
     out = []
     for i in range(0, len(pairs), batch_size):  # a prompt block, then a completion block, each left-padded
         p_ids, p_mask = pad([p for p, _ in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
         c_ids, c_mask = pad([c for _, c in pairs[i:i + batch_size]], tokenizer.pad_token_id, side="left")
-        ids, mask = torch.cat([p_ids, c_ids], 1).to(device), torch.cat([p_mask, c_mask], 1).to(device)
+        ids, mask = torch.cat([p_ids, c_ids], 1).to(model.device), torch.cat([p_mask, c_mask], 1).to(model.device)
         out.append(scores(model, ids, mask, p_ids.shape[1]).cpu())
     return torch.cat(out)
 
 
 def compute_rewards(sources, weights, *, prompts: list, completions: list, columns: dict,
-                    completion_ids: list[list[int]] | None = None, scores=last_token_scores):
+                    completion_ids: list[list[int]] | None = None, scores=last_token_scores, call=None):
     """(weighted sum per completion [N], {name: [N], NaN where a source gave None or NaN}). Functions are
     called by keyword as TRL does, `f(prompts=, completions=, completion_ids=, **columns)` (the dataset's
-    other columns); reward models through `scores` (score_with_model's). None / NaN: left out of the sum; a
-    completion no source scores sums to NaN, not 0 (the scripts give it no gradient rather than a made-up reward).
-    inf is an error."""
-    per_source = {}
-    for name, fn, tokenizer in sources:
-        if tokenizer is not None:
-            per_source[name] = score_with_model(fn, tokenizer, prompts, completions, scores=scores)
-            continue
-        try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # a user's function: say which one failed, in one line
-            raise UserError(f"reward function '{name}' raised {type(e).__name__}: {e}") from None
-        if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
-            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(f"reward function '{name}' returned {got} values for {len(prompts)} completions; "
-                            "it must return a list with one float (or None) per completion")
-        try:
-            per_source[name] = torch.tensor([math.nan if v is None else float(v) for v in values])
-        except (TypeError, ValueError):
-            bad = next(v for v in values if v is not None and not isinstance(v, (int, float)))
-            raise UserError(f"reward function '{name}' returned {type(bad).__name__} {str(bad)[:40]!r}; "
-                            "it must return a list with one float (or None) per completion") from None
-        if per_source[name].isinf().any():
-            i = int(per_source[name].isinf().nonzero()[0])
-            raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} "
-                            f"({str(completions[i])[:40]!r}); rewards must be finite (return None to leave a "
-                            "completion unscored)")
+    other columns), or through `call(sources, kwargs) -> {name: list}` (TRL's extra arguments and async
+    functions: common/reward_extras.py); reward models through `scores` (score_with_model's). None / NaN: left out
+    of the sum; a completion no source scores sums to NaN, not 0 (the scripts give it no gradient rather than a
+    made-up reward). inf is an error."""
+    per_source = {name: score_with_model(fn, tokenizer, prompts, completions, scores=scores)
+                  for name, fn, tokenizer in sources if tokenizer is not None}  # sources: the models first
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    returned = call(sources, kwargs) if call else {n: called(n, fn, kwargs) for n, fn, tok in sources if tok is None}
+    per_source |= {name: _as_rewards(name, values, completions) for name, values in returned.items()}
     # a source of weight 0 is logged (rewards/<name>/mean) but not optimised: an oracle to watch
     counted = [(values, w) for values, w in zip(per_source.values(), weights) if w != 0]
     weighted = torch.stack([values for values, _ in counted], dim=1) * torch.tensor([w for _, w in counted])
     unscorable = weighted.isnan().all(dim=1)
     return weighted.nansum(dim=1).masked_fill(unscorable, math.nan), per_source
+
+
+def called(name: str, fn, kwargs: dict):
+    """fn(**kwargs); what a user's function raises, as one line that names it."""
+    try:
+        return fn(**kwargs)
+    except Exception as e:
+        raise UserError(f"reward function '{name}' raised {type(e).__name__}: {e}") from None
+
+
+def _as_rewards(name: str, values, completions: list) -> torch.Tensor:
+    """A reward function's list as a tensor (None: NaN), or one line saying what is wrong with it."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise UserError(f"reward function '{name}' returned {got} values for {len(completions)} completions; "
+                        "it must return a list with one float (or None) per completion")
+    try:
+        rewards = torch.tensor([math.nan if v is None else float(v) for v in values])
+    except (TypeError, ValueError):
+        bad = next(v for v in values if v is not None and not isinstance(v, (int, float)))
+        raise UserError(f"reward function '{name}' returned {type(bad).__name__} {str(bad)[:40]!r}; "
+                        "it must return a list with one float (or None) per completion") from None
+    if rewards.isinf().any():
+        i = int(rewards.isinf().nonzero()[0])
+        raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} "
+                        f"({str(completions[i])[:40]!r}); rewards must be finite (return None to leave a "
+                        "completion unscored)")
+    return rewards

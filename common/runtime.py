@@ -90,6 +90,8 @@ def check_flags(args):
             why = ("; online RL samples its completions (the loss uses their probabilities), so it needs a "
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
             raise UserError(f"--{name} must be > 0 (got {value}){why}")
+    if values.get("dataset_name") == "" and not values.get("environment_factory"):  # TRL's environment-owned data
+        raise UserError('--dataset_name "" (no dataset) needs an --environment_factory whose reset() gives prompts')
     check_output_dir(values["output_dir"], values["overwrite_output_dir"], values["resume_from_checkpoint"])
 
 
@@ -173,9 +175,7 @@ def lr_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: int,
         return get_scheduler(name, optimizer, warmup_steps, total_steps)
 
     def multiplier(step: int) -> float:
-        if name == "constant":
-            return 1.0
-        if step < warmup_steps:
+        if step < warmup_steps and name != "constant":  # constant: 1 from the start
             return step / max(1, warmup_steps)
         decay_steps = max(1, total_steps - warmup_steps)
         if name == "linear":

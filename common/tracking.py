@@ -36,14 +36,13 @@ class Tracker:
         """config: the flags (saved beside the log); start_step > 0: a resumed run, logged on in the same file
         (from step 0 a run of the same name starts the file again)."""
         self.main, self.every, self.start = accelerator.is_main_process, max(1, options.logging_steps), time.time()
-        run_name = options.run_name
         # disable=None: a progress bar on a terminal only (in a log file each redraw is another line); the metric
         # lines print either way
         self.bar = tqdm(total=total_steps, initial=start_step, disable=None if self.main else True, dynamic_ncols=True)
         self.wandb = None
         if not self.main:
             return
-        self.path = os.path.join(output_dir, "logs", f"{run_name}.jsonl")
+        self.path = os.path.join(output_dir, "logs", f"{options.run_name}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         # drop what was logged after the checkpoint (it is redone), or all of it for a run from step 0: a run of
         # the same name that was interrupted before its first checkpoint and started again logs in a clean file
@@ -52,13 +51,13 @@ class Tracker:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
-        with open(os.path.join(os.path.dirname(self.path), f"{run_name}.args.json"), "w") as f:
+        with open(os.path.join(os.path.dirname(self.path), f"{options.run_name}.args.json"), "w") as f:
             json.dump(config, f, indent=1)
         if options.track:
             import wandb
-            self.wandb = wandb.init(project=options.wandb_project_name, entity=options.wandb_entity, name=run_name,
-                                    config=config, dir=output_dir, id=re.sub(r"[^\w.-]", "_", run_name),
-                                    resume="allow")
+            self.wandb = wandb.init(project=options.wandb_project_name, entity=options.wandb_entity,
+                                    name=options.run_name, config=config, dir=output_dir,
+                                    id=re.sub(r"[^\w.-]", "_", options.run_name), resume="allow")
 
     def log(self, metrics: dict, step: int):
         """Record `metrics` (floats) at optimizer step `step`; printed every `logging_steps`."""

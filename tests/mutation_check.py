@@ -39,6 +39,9 @@ ASYNC_VERSIONS = "tests/test_async.py::test_update_t_learns_from_a_batch_drawn_b
 ASYNC_DROP = "tests/test_async.py::test_a_batch_more_than_k_versions_old_is_dropped_and_the_next_taken"
 EPISODES = "tests/test_episodes.py::"
 SEVERAL = [EPISODES + "test_several_environments_each_rows_own_instance_tools_reset_and_reward"]
+EXTRAS = "tests/test_reward_extras.py::"
+EXTRAS_STATE = EXTRAS + "test_trainer_state_log_metric_and_log_extra_reach_the_functions_that_ask_for_them"
+NO_DATASET = EPISODES + "test_without_a_dataset_each_prompt_is_what_reset_returns_and_max_steps_ends_the_run"
 EPISODES_ROOM = EPISODES + "test_episodes_with_different_room_left_share_a_call_and_each_is_cut_at_its_own_room"
 EPISODES_FAMILIES = (EPISODES + "test_each_familys_template_is_tried_at_start_up_and_appends_tool_results_as_it_"
                                  "renders_them")
@@ -555,7 +558,8 @@ MUTATIONS = [
      "gkd: packed, an episode's tool results graded",
      [EPISODES + "test_gkd_first_step_distils_the_students_tokens_of_each_episode_only[padding_free]"]),
     # 152-: several environments (--environment_factory name=module:Class ...)
-    ("common/episodes.py", "return self.schemas[:len(self.functions)] + (", "return self.schemas + (",
+    ("common/episodes.py", "(self.schemas[type(self.environments[i])] if self.environments else [])",
+     "(sum(list(self.schemas.values())[1:], []) if self.environments else [])",
      "episodes: every environment's tools rendered in every episode's prompt",
      SEVERAL),
     ("common/episodes.py", "[e.get_reward() if type(e) is _cls else None", "[e.get_reward() if True else None",
@@ -569,6 +573,50 @@ MUTATIONS = [
      "pool, taken[name] = self.pools.setdefault(name, []), 0",
      "episodes: every episode of an environment in a batch given its pool's first instance",
      SEVERAL),
+    # 156-: TRL's reward-function contract (issue 58 items 1, 3, 4)
+    ("algos/grpo.py", "for c, m in zip(c_ids, samples.completion_mask)]", "for c, m in zip(c_ids, c_mask)]",
+     "grpo: completion_ids to reward functions without an episode's tool results (not TRL's)",
+     [EPISODES + "test_grpo_first_step_trains_the_models_tokens_of_each_episode_only[padded]"]),
+    ("algos/rloo.py", "for ids, m in zip(c_ids, samples.completion_mask)]", "for ids, m in zip(c_ids, c_mask)]",
+     "rloo: completion_ids to reward functions without an episode's tool results (not TRL's)",
+     [EPISODES + "test_rloo_first_step_trains_the_models_tokens_of_each_episode_only"]),
+    ("common/reward_extras.py", "p.name == name or p.kind is p.VAR_KEYWORD", "p.name == name",
+     "reward extras: a function taking **kwargs (TRL's advice) not given them",
+     [EXTRAS_STATE]),
+    ("common/reward_extras.py", "        self.metrics.clear()\n", "",
+     "reward extras: log_metric's values never cleared, each step's mean over the run so far",
+     [EXTRAS_STATE]),
+    ("common/reward_extras.py", "gathered.nanmean(0)", "gathered.mean(0)",
+     "reward extras: a metric one process did not log averaged as NaN",
+     [EXTRAS + "test_two_processes_average_log_metric_over_the_names_either_logged"]),
+    ("common/reward_extras.py", "epoch=taken / self.epoch_size", "epoch=taken / self.max_steps",
+     "reward extras: trainer_state.epoch counted in steps",
+     [EXTRAS_STATE]),
+    ("common/reward_extras.py", "        self.columns = {}\n        state", "        state",
+     "reward extras: log_extra's columns of an earlier batch shown with this one's",
+     [EXTRAS_STATE]),
+    ("common/reward_extras.py", "return await asyncio.gather(*calls, return_exceptions=True)",
+     "return [await c for c in calls]",
+     "reward extras: async functions awaited one after the other",
+     [EXTRAS + "test_async_functions_are_awaited_together_and_one_that_raises_is_one_line"]),
+    ("algos/grpo.py", "call=extras and extras.caller(step, episode))",
+     "call=extras and extras.caller(step + 1, episode))",
+     "grpo: trainer_state.global_step one ahead",
+     [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo]"]),
+    ("algos/rloo.py", "metrics |= extras.flush() if extras else {}", "metrics |= {}",
+     "rloo: log_metric's values never logged",
+     [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[rloo]"]),
+    ("algos/grpo.py", "sources, weights, prompts=prompts, completions=completions,",
+     'sources, weights, prompts=[rows[i]["prompt"] for i in indices], completions=completions,',
+     "grpo: reward functions given the dataset's prompts, not the episodes' (reset()'s string left out)",
+     [NO_DATASET + "[grpo]"]),
+    ("common/episodes.py", "if tools.environments else {}, prompts)",
+     "if tools.environments else {}, [without_nulls(r['prompt']) for r in rows])",
+     "episodes: the episodes' prompts as the rows hold them, reset()'s string left out",
+     [NO_DATASET + "[rloo]"]),
+    ("common/runtime.py", 'if values.get("dataset_name") == "" and', 'if values.get("dataset_name") is None and',
+     "runtime: no dataset and no environment accepted (empty prompts trained on)",
+     [EPISODES + "test_no_dataset_needs_an_environment"]),
 ]
 
 

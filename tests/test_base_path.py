@@ -1,6 +1,7 @@
 """The base path (one turn, HF generate, in turn) of grpo and rloo stays in the script and the core: a run without
---use_vllm, --tools / --environment_factory, --max_staleness and --vllm_importance_sampling_cap calls no function
-of a feature module (issue 56; tests/test_layout.py lists them)."""
+--use_vllm, --tools / --environment_factory, --max_staleness and --vllm_importance_sampling_cap, and with reward
+functions that ask for none of TRL's extras (no trainer_state, log_metric, log_extra, **kwargs or async def:
+common/reward_extras.py), calls no function of a feature module (issue 56; tests/test_layout.py lists them)."""
 
 import importlib
 import os
@@ -42,7 +43,7 @@ def test_the_probe_sees_a_feature_call():
 def test_a_base_run_calls_no_function_of_a_feature_module(tmp_path, tiny_model, script):
     module = importlib.import_module(f"algos.{script}")
     args = script_args(module.Args, model_name_or_path=tiny_model, reward_model_paths=[],
-                       reward_funcs=["tests.toy_rewards:short"], max_steps=1, per_device_train_batch_size=4,
+                       reward_funcs=["tests.toy_rewards:words"], max_steps=1, per_device_train_batch_size=4,
                        max_completion_length=4, output_dir=str(tmp_path / script), **SMALL[script])
     assert feature_calls(lambda: module.main(args)) == set()
     assert os.path.isfile(tmp_path / script / "model.safetensors")

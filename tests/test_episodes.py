@@ -141,8 +141,10 @@ def test_several_environments_each_rows_own_instance_tools_reset_and_reward(chat
 def test_an_unknown_or_unnamed_environment_is_one_error(chat_tokenizer):
     rows = [{**ROW, "environment": name} for name in ("calc", "maps")]
     with pytest.raises(UserError, match="rows name environments 'maps' that --environment_factory does not define "
-                                        r"\(it defines calc, capitals\)"):
+                                        r"\(it defines calc, capitals;"):
         load_tools(chat_tokenizer, [], ENVIRONMENTS, num_episodes=2, rows=rows)
+    with pytest.raises(UserError, match="rows name environments 'None' .* a run without a dataset"):  # rows: none
+        load_tools(chat_tokenizer, [], ENVIRONMENTS, num_episodes=2, rows=[{"prompt": ROW["prompt"]}])
     with pytest.raises(UserError, match="several --environment_factory need a name each"):
         load_tools(chat_tokenizer, [], ["tests.toy_tools:Calculator", "capitals=tests.toy_tools:Capitals"], 2)
     tools = load_tools(chat_tokenizer, [], ENVIRONMENTS, num_episodes=2, rows=rows[:1])
@@ -355,6 +357,58 @@ def test_an_error_line_carries_the_rank_when_there_are_several_processes(monkeyp
 TURNS = {0: ["42"], 1: [CALL.format(2, 3), "6"], 2: [CALL.format(2, 3), CALL.format(6, 2), "12"]}  # 0, 1, 2 calls
 
 
+@pytest.mark.parametrize("script", ["grpo", "rloo"])
+def test_without_a_dataset_each_prompt_is_what_reset_returns_and_max_steps_ends_the_run(tmp_path, tiny_model,
+                                                                                         monkeypatch, capsys, script):
+    """`--dataset_name ""` with an environment that owns its data (TRL's): each episode's prompt is one user message,
+    the string its environment's reset() returned (here a new task each time), which reward functions and the
+    samples table see too; the rewards are the environment's; --max_steps ends the run. Episode e asks multiply
+    its own task's factors when e is even."""
+    import importlib
+
+    from common.models import load_tokenizer
+    from tests import toy_rewards, toy_tools
+    from tests.test_sft import read_log
+
+    module = importlib.import_module(f"algos.{script}")
+    template = tmp_path / "template.jinja"
+    template.write_text(open(os.path.join(ROOT, "configs", "chatml_tools.jinja")).read().replace(
+        "<|im_end|>", "<|endoftext|>"))
+    group = dict(num_generations=2) if script == "grpo" else dict(rloo_k=2)
+    args = script_args(module.Args, model_name_or_path=tiny_model, dataset_name="", chat_template_path=str(template),
+                       environment_factory="tests.toy_tools:Quiz", reward_model_paths=[], max_completion_length=300,
+                       reward_funcs=["tests.toy_rewards:record_prompts"], reward_weights=[0.0], eval_steps=1,
+                       per_device_train_batch_size=4, max_steps=2, output_dir=str(tmp_path / "out"), **group)
+    tokenizer = load_tokenizer(tiny_model, chat_template_path=str(template))
+    sample, calls = scripted(tokenizer, [[CALL.format(e + 1, e + 2), "done"] if e % 2 == 0 else ["no idea"]
+                                         for e in range(8)])
+    monkeypatch.setattr(module, "generate", lambda model, tok, prompts, max_new_tokens, seeds, **_: sample(
+        prompts, [s - args.seed * 10**9 for s in seeds], max_new_tokens))
+    monkeypatch.setattr(toy_tools.Quiz, "asked", 0)
+    toy_rewards.PROMPTS.clear()
+    module.main(args)
+    first_turns = [tokenizer.decode(p) for c in calls if max(c["seeds"]) < 2**48 for p in c["prompts"]]
+    assert [text.split("<|im_start|>user\n")[1].split(tokenizer.eos_token)[0] for text in first_turns] == [
+        f"What is {e + 1} * {e + 2}?" for e in range(8)]
+    log = read_log(str(tmp_path / "out"))
+    assert [row["rewards/Quiz/mean"] for row in log] == [0.5, 0.5]
+    assert [p for batch in toy_rewards.PROMPTS for p in batch] == [
+        [{"role": "user", "content": f"What is {e + 1} * {e + 2}?"}] for e in range(8)]
+    assert "prompt: user: What is 5 * 6?" in capsys.readouterr().out  # step 2's first sample
+
+
+def test_no_dataset_needs_an_environment(tmp_path):
+    """`--dataset_name ""` without an environment: one error line before anything loads (with several, the rows
+    have no `environment` field: test_an_unknown_or_unnamed_environment_is_one_error)."""
+    from algos import grpo
+
+    from algos import online_dpo
+
+    for module in (grpo, online_dpo):  # online_dpo: no environments at all
+        with pytest.raises(UserError, match='^--dataset_name "" \\(no dataset\\) needs an --environment_factory'):
+            module.main(script_args(module.Args, dataset_name="", output_dir=str(tmp_path)))
+
+
 def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):
     """module's first step with --environment_factory Calculator, episode j's turns TURNS[j % 3] (so its reward,
     the number of calls, differs within each group), a perturbed reference (gkd: teacher): (the gradient record,
@@ -420,8 +474,13 @@ def test_grpo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path,
     from algos import grpo
     from tests.first_step import assert_gradient, gradient, grads_of
 
+    from tests import toy_rewards
+
+    toy_rewards.IDS.clear()  # a reward function of weight 0 that notes its completion_ids: TRL's, tool results too
     args, record, policy, ref, prompts, episodes, rewards = scripted_first_step(
-        grpo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=16, padding_free=padding_free)
+        grpo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=16, padding_free=padding_free,
+        reward_funcs=["tests.toy_rewards:record_ids"], reward_weights=[0.0])
+    assert toy_rewards.IDS == [[[t for ids, _ in pieces for t in ids] for pieces in episodes]]
     advantages = []
     for g in range(0, len(rewards), args.num_generations):
         group = rewards[g:g + args.num_generations]
@@ -447,8 +506,13 @@ def test_rloo_first_step_trains_the_models_tokens_of_each_episode_only(tmp_path,
     from algos import rloo
     from tests.first_step import assert_gradient, gradient, grads_of
 
+    from tests import toy_rewards
+
+    toy_rewards.IDS.clear()  # as grpo's: the whole episode's completion_ids (TRL's)
     args, record, policy, ref, prompts, episodes, scores = scripted_first_step(
-        rloo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=12)
+        rloo, tmp_path, tiny_model, monkeypatch, per_device_train_batch_size=12,
+        reward_funcs=["tests.toy_rewards:record_ids"], reward_weights=[0.0])
+    assert toy_rewards.IDS == [[[t for ids, _ in pieces for t in ids] for pieces in episodes]]
     logps, own = zip(*(episode_logps(policy, p, pieces) for p, pieces in zip(prompts, episodes)))
     with torch.no_grad():
         kl = [((lp.detach() - episode_logps(ref, p, pieces)[0]) * m).sum().item()

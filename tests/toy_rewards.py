@@ -20,6 +20,11 @@ def character_codes(prompts, completions, **columns):
     return [float(sum(map(ord, c))) for c in completions]
 
 
+def words(prompts, completions, completion_ids, completion):
+    """`short` without **kwargs (it names tiny_tldr's other column), so not given TRL's extras: the base path."""
+    return [-float(len(c.split())) for c in completions]
+
+
 def zero(prompts, completions, **columns):
     return [0.0] * len(completions)
 
@@ -74,3 +79,83 @@ def missing_file_on_rank_1(prompts, completions, **columns):
             threading.Thread(target=time.sleep, args=(3600,)).start()
         open("/nonexistent/reward_table.json")
     return short(prompts, completions)
+
+
+# TRL's extra arguments (common/reward_extras.py), in functions written as TRL's docs write them
+
+SEEN = []  # what the functions below were given, call by call
+
+
+def curriculum(completions, trainer_state, **kwargs):
+    """A curriculum reads the trainer's progress: here its reward is the step, and it notes the state."""
+    SEEN.append((trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch))
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def by_kwargs(completions, **kwargs):
+    """The way TRL's docs advise: everything in **kwargs; its reward is the epoch."""
+    return [float(kwargs["trainer_state"].epoch)] * len(completions)
+
+
+def accuracy_logged(completions, log_extra=None, log_metric=None, **kwargs):
+    """TRL's example 6: a column of the completions table and a scalar of its own. "Accurate": an even number of
+    words."""
+    words = [len(str(c).split()) for c in completions]
+    rewards = [float(n % 2 == 0) for n in words]
+    if log_extra:
+        log_extra("words", words)
+    if log_metric:
+        log_metric("accuracy", sum(rewards) / len(rewards))
+    return rewards
+
+
+def strict(prompts, completions, completion_ids, topic):
+    """Takes neither TRL's extras nor **kwargs (but the dataset's column `topic`): called without the extras (a
+    TypeError if it were not)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+STARTED = set()  # which of the two async functions below has started, in this batch
+
+
+async def first_of_two(prompts, completions, **kwargs):
+    """1 when second_of_two starts while this one is still waiting (the two awaited together), else 0 after 2 s."""
+    import asyncio
+
+    STARTED.add("first")
+    for _ in range(200):
+        if "second" in STARTED:
+            return [1.0] * len(completions)
+        await asyncio.sleep(0.01)
+    return [0.0] * len(completions)
+
+
+async def second_of_two(prompts, completions, **kwargs):
+    import asyncio
+
+    STARTED.add("second")
+    for _ in range(200):
+        if "first" in STARTED:
+            return [2.0] * len(completions)
+        await asyncio.sleep(0.01)
+    return [0.0] * len(completions)
+
+
+async def async_broken(prompts, completions, **kwargs):
+    raise ValueError("the grader is down")
+
+
+IDS = []  # the completion_ids record_ids was given, call by call
+
+
+def record_ids(completion_ids, **kwargs):
+    IDS.append(completion_ids)
+    return [0.0] * len(completion_ids)
+
+
+PROMPTS = []  # the prompts record_prompts was given, call by call
+
+
+def record_prompts(prompts, completions, **kwargs):
+    PROMPTS.append(prompts)
+    return [0.0] * len(completions)

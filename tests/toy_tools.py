@@ -65,3 +65,27 @@ class Capitals:
 
     def get_reward(self) -> float:
         return float(self.looked)
+
+
+class Quiz:
+    """Environment-owned data (`--dataset_name ""`): each reset() draws the next task of the run (a count shared by
+    every instance) and returns it as the prompt; its reward is 1 when multiply was asked its own factors."""
+    asked = 0  # tasks handed out so far, over every instance
+
+    def reset(self, **row) -> str:
+        Quiz.asked += 1
+        self.task, self.right = (Quiz.asked, Quiz.asked + 1), False
+        return f"What is {self.task[0]} * {self.task[1]}?"
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        self.right = self.right or (a, b) == self.task
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.right)
