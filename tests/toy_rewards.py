@@ -120,25 +120,23 @@ STARTED = set()  # which of the two async functions below has started, in this b
 
 async def first_of_two(prompts, completions, **kwargs):
     """1 when second_of_two starts while this one is still waiting (the two awaited together), else 0 after 2 s."""
-    import asyncio
-
-    STARTED.add("first")
-    for _ in range(200):
-        if "second" in STARTED:
-            return [1.0] * len(completions)
-        await asyncio.sleep(0.01)
-    return [0.0] * len(completions)
+    return await _when_the_other_starts("first", "second", 1.0, len(completions))
 
 
 async def second_of_two(prompts, completions, **kwargs):
+    """2 when first_of_two starts while this one is still waiting, else 0 after 2 s."""
+    return await _when_the_other_starts("second", "first", 2.0, len(completions))
+
+
+async def _when_the_other_starts(me: str, other: str, value: float, n: int) -> list[float]:
     import asyncio
 
-    STARTED.add("second")
+    STARTED.add(me)
     for _ in range(200):
-        if "first" in STARTED:
-            return [2.0] * len(completions)
+        if other in STARTED:
+            return [value] * n
         await asyncio.sleep(0.01)
-    return [0.0] * len(completions)
+    return [0.0] * n
 
 
 async def async_broken(prompts, completions, **kwargs):
