@@ -305,6 +305,8 @@ def main(args: Args):
         raise UserError(f"the teacher '{args.teacher_model_name_or_path}' ({len(teacher_tokenizer)} tokens) and the "
                         f"student '{args.model_name_or_path}' ({len(tokenizer)} tokens) have different vocabularies; "
                         "distillation compares their distributions token by token and needs one tokenizer")
+    if not args.dataset_name:  # TRL's environment-owned data is grpo's and rloo's (docs/multi_turn.md)
+        raise UserError("gkd.py reads its prompts from a dataset: give --dataset_name (with an environment too)")
     dataset = load_split(args.dataset_name, args.dataset_train_split)
     layout = check_columns(dataset, {"prompt-completion": ["prompt", "completion"], "prompt-only": ["prompt"]},
                            f"dataset '{args.dataset_name}' (split {args.dataset_train_split}), given to gkd.py,")

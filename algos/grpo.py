@@ -307,7 +307,7 @@ def main(args: Args):
     loss_options["epsilon_high"] = args.epsilon if args.epsilon_high is None else args.epsilon_high
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
-    extras = (RewardExtras(accelerator, args, len(rows) * args.num_generations)
+    extras = (RewardExtras(accelerator, args, len(rows) // n_prompts * args.generation_batch_size)
               if asks_for_extras(args.reward_funcs) else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.max_steps),
@@ -340,7 +340,7 @@ def main(args: Args):
                                tokenizer=tokenizer, sampler=sampler, generate=generate, **sampling,
                                batch_size=args.generation_batch_size, logps=functools.partial(rollout_logps, **batched))
 
-    # resumed between two of a rollout's num_iterations passes
+    # a rollout resumed mid-way (the checkpoint holds it)
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if stream and rollout is None:
@@ -429,7 +429,7 @@ def main(args: Args):
                               metrics=metrics, samples=[{"prompt": p, "completion": t, "reward": x} | e
                                                         for p, t, x, e in zip(prompts, texts, rewards.tolist(), shown)])
 
-        # ---- UPDATE: one optimizer step on the rollout (num_iterations of them per rollout) ----
+        # ---- UPDATE: one optimizer step on the rollout (num_iterations per rollout) ----
         r, stats, corrections = rollout, defaultdict(float), []  # stats: sums over micro-batches
         # dapo: the global batch's tokens, per micro-batch (backward() and DDP average over them)
         tokens = accelerator.reduce(r.loss_mask.sum(), "sum").clamp(min=1)

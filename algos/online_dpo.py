@@ -250,7 +250,8 @@ def main(args: Args):
     else:
         sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
                                                accelerator)
-        extras = (RewardExtras(accelerator, args, 2 * len(rows), table=False)  # TRL's trainer_state, log_metric
+        per_pass = 2 * (len(rows) - len(rows) % (args.per_device_train_batch_size * args.world_size))  # completions
+        extras = (RewardExtras(accelerator, args, per_pass, table=False)  # TRL's trainer_state, log_metric
                   if asks_for_extras(args.reward_funcs) else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),

@@ -311,7 +311,8 @@ def main(args: Args):
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     sources, weights = load_reward_sources([args.reward_model_path], args.reward_funcs, args.reward_weights,
                                            accelerator)
-    extras = RewardExtras(accelerator, args, len(rows)) if asks_for_extras(args.reward_funcs) else None
+    extras = (RewardExtras(accelerator, args, len(rows) // args.rollout_batch_size * args.rollout_batch_size)
+              if asks_for_extras(args.reward_funcs) else None)  # TRL's reward-function extras; a pass's responses
     model = PolicyAndValue(policy, value_model, args.packing.padding_free)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)  # N+ detail: Adam eps 1e-5
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, 0, args.num_steps)

@@ -262,7 +262,8 @@ def main(args: Args):
                         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
     sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights, accelerator,
                                            functions=tools.reward_functions() if tools else [])
-    extras = RewardExtras(accelerator, args, len(rows) * args.rloo_k) if asks_for_extras(args.reward_funcs) else None
+    extras = (RewardExtras(accelerator, args, len(rows) // n_prompts * args.rollout_batch_size)  # completions a pass
+              if asks_for_extras(args.reward_funcs) else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_steps),
                              args.num_steps)

@@ -132,14 +132,13 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
                         "no `environment` field, as in a run without a dataset, where one environment gives prompts)")
     schemas = {None: [schema(f, spec) for f, spec in zip(functions, function_specs)]} | {  # each class once
         cls: [schema(getattr(cls, n), f"{cls.__name__}.{n}") for n in environment_methods(cls)]
-        for cls in dict.fromkeys(type(pool[0]) for pool in pools.values())}
+        for cls in dict.fromkeys(type(env) for pool in pools.values() for env in pool)}  # a factory may vary it
     every = [s for group in schemas.values() for s in group]
     if not every:
         raise UserError(f"environment factory '{specs[0]}' has no public method for the model to call")
     template = tokenizer.chat_template or ""
-    probe = [{"role": "user", "content": "x"}]
-    if not template or every[0]["function"]["name"] not in tokenizer.apply_chat_template(probe, tools=every,
-                                                                                          tokenize=False):
+    if not template or every[0]["function"]["name"] not in tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], tools=every, tokenize=False):  # a template that renders tools
         raise UserError(f"the chat template of {getattr(tokenizer, 'described', 'the tokenizer')} renders no tools; "
                         "pass --chat_template_path with one that does (e.g. configs/chatml_tools.jinja)")
     if "<tool_call>" in template:
@@ -281,13 +280,13 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
     as reward functions take it (a string, or one assistant message). Every process samples as many turns as
     the longest episode on any of them, so sharded decoding stays in step (with nothing left, one token is
     drawn and dropped)."""
-    prompts = [without_nulls(row["prompt"]) for row in rows]  # new lists of new messages: reset's string goes in
     if tools is None:
         out = sample(prompt_ids, seeds, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        ones = torch.ones(len(rows), dtype=torch.long, device=out.completion_ids.device)
+        prompts, ones = [r["prompt"] for r in rows], torch.ones(len(rows), dtype=torch.long, device=out.finished.device)
         return Episodes(replace(out, model_mask=out.completion_mask), as_completions(prompts, texts), ones, 0 * ones,
                         0 * ones, {}, prompts)
+    prompts = [without_nulls(row["prompt"]) for row in rows]  # new lists of new messages: reset's string goes in
     if tools.factories:
         tools.assign(rows)
     for i, row in enumerate(rows):  # several environments: `environment` picks one, reset does not get it (TRL)

@@ -34,8 +34,8 @@ class RewardExtras:
 
     def __init__(self, accelerator, args, epoch_size: int, table: bool = True):
         """args: the script's (max_steps; grpo's dynamic_sampling); epoch_size: completions in a pass over the
-        prompts; table: log_extra's columns go to the samples table (not where its rows are not the batch scored
-        last: grpo's --dynamic_sampling reorders them)."""
+        prompts (their whole batches: a pass's leftover prompts are dropped); table: log_extra's columns go to the
+        samples table (not where its rows are not the batch scored last: grpo's --dynamic_sampling reorders them)."""
         self.accelerator, self.max_steps, self.epoch_size = accelerator, args.max_steps, epoch_size
         self.table, self.loop = table and not getattr(args, "dynamic_sampling", False), asyncio.new_event_loop()
         self.metrics, self.columns = defaultdict(list), {}  # log_metric's since the last flush; log_extra's
@@ -55,14 +55,14 @@ class RewardExtras:
             if pending:
                 done = self.loop.run_until_complete(together(*(returned[name] for name in pending)))
                 for name, values in zip(pending, done):
-                    if isinstance(values, Exception):  # as common.rewards.called says it
+                    if isinstance(values, BaseException):  # as common.rewards.called says it
                         raise UserError(f"reward function '{name}' raised {type(values).__name__}: {values}")
                     returned[name] = values
             return returned
         return call
 
     def log_metric(self, name: str, value: float):
-        self.metrics[name].append(float(value))
+        self.metrics[str(name)].append(float(value))
 
     def log_extra(self, column: str, values: list):
         self.columns[column] = list(values)

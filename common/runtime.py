@@ -91,7 +91,7 @@ def check_flags(args):
                    "temperature > 0, e.g. 0.7 or 1.0" if name == "temperature" else "")
             raise UserError(f"--{name} must be > 0 (got {value}){why}")
     if values.get("dataset_name") == "" and not values.get("environment_factory"):  # TRL's environment-owned data
-        raise UserError('--dataset_name "" (no dataset) needs an --environment_factory whose reset() gives prompts')
+        raise UserError('--dataset_name "": no dataset, in grpo/rloo with an --environment_factory giving prompts')
     check_output_dir(values["output_dir"], values["overwrite_output_dir"], values["resume_from_checkpoint"])
 
 

@@ -617,6 +617,19 @@ MUTATIONS = [
     ("common/runtime.py", 'if values.get("dataset_name") == "" and', 'if values.get("dataset_name") is None and',
      "runtime: no dataset and no environment accepted (empty prompts trained on)",
      [EPISODES + "test_no_dataset_needs_an_environment"]),
+    ("algos/grpo.py", "len(rows) // n_prompts * args.generation_batch_size)", "len(rows) * args.num_generations)",
+     "grpo: trainer_state.epoch counts the prompts a pass leaves out (its last, incomplete batch)",
+     [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo]"]),
+    ("common/reward_extras.py", "self.loop.run_until_complete(", "asyncio.run(",
+     "reward extras: a new event loop for every batch (a client kept between calls is on a closed loop)",
+     [EXTRAS + "test_async_functions_are_awaited_together_and_one_that_raises_is_one_line"]),
+    ("common/reward_extras.py", 'table and not getattr(args, "dynamic_sampling", False)', "table",
+     "reward extras: log_extra's columns shown beside the rows dynamic sampling reordered",
+     [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo_dynamic]"]),
+    ("common/episodes.py", "type(env) for pool in pools.values() for env in pool)",
+     "type(pool[0]) for pool in pools.values())",
+     "episodes: a factory's environments of a second class get no tool schemas",
+     [EPISODES + "test_a_factory_whose_environments_differ_in_class_renders_each_ones_tools"]),
 ]
 
 

@@ -138,6 +138,15 @@ def test_several_environments_each_rows_own_instance_tools_reset_and_reward(chat
     assert {name: len(pool) for name, pool in tools.pools.items()} == {"calc": 2, "capitals": 2}
 
 
+def test_a_factory_whose_environments_differ_in_class_renders_each_ones_tools(chat_tokenizer):
+    """One factory, environments of two classes (any callable, as TRL takes): each episode's prompt renders its own
+    environment's tools, and each class's get_reward is a reward source."""
+    tools = load_tools(chat_tokenizer, [], ["tests.toy_tools:calculator_or_capitals"], num_episodes=2, rows=[ROW] * 2)
+    tools.assign([ROW] * 2)
+    assert [[s["function"]["name"] for s in tools.schemas_for(i)] for i in range(2)] == [["multiply"], ["capital"]]
+    assert [name for name, _ in tools.reward_functions()] == ["Calculator", "Capitals"]
+
+
 def test_an_unknown_or_unnamed_environment_is_one_error(chat_tokenizer):
     rows = [{**ROW, "environment": name} for name in ("calc", "maps")]
     with pytest.raises(UserError, match="rows name environments 'maps' that --environment_factory does not define "
@@ -397,16 +406,19 @@ def test_without_a_dataset_each_prompt_is_what_reset_returns_and_max_steps_ends_
     assert "prompt: user: What is 5 * 6?" in capsys.readouterr().out  # step 2's first sample
 
 
-def test_no_dataset_needs_an_environment(tmp_path):
+def test_no_dataset_needs_an_environment(tmp_path, tiny_model):
     """`--dataset_name ""` without an environment: one error line before anything loads (with several, the rows
-    have no `environment` field: test_an_unknown_or_unnamed_environment_is_one_error)."""
-    from algos import grpo
-
-    from algos import online_dpo
+    have no `environment` field: test_an_unknown_or_unnamed_environment_is_one_error); gkd.py reads a dataset
+    always."""
+    from algos import gkd, grpo, online_dpo
 
     for module in (grpo, online_dpo):  # online_dpo: no environments at all
-        with pytest.raises(UserError, match='^--dataset_name "" \\(no dataset\\) needs an --environment_factory'):
+        with pytest.raises(UserError, match='^--dataset_name "": no dataset, in grpo/rloo with an --environment_fac'):
             module.main(script_args(module.Args, dataset_name="", output_dir=str(tmp_path)))
+    with pytest.raises(UserError, match="^gkd.py reads its prompts from a dataset"):
+        gkd.main(script_args(gkd.Args, model_name_or_path=tiny_model, teacher_model_name_or_path=tiny_model,
+                             dataset_name="", environment_factory=["tests.toy_tools:Calculator"], lmbda=1.0,
+                             output_dir=str(tmp_path)))
 
 
 def scripted_first_step(module, tmp_path, tiny_model, monkeypatch, **options):

@@ -73,44 +73,59 @@ def test_trainer_state_log_metric_and_log_extra_reach_the_functions_that_ask_for
 def test_async_functions_are_awaited_together_and_one_that_raises_is_one_line():
     """Each of the two returns its value only if the other starts while it waits: awaited one after the other,
     both would give 0. The run's one loop serves every batch. A raising one: `reward function 'name' raised ...`."""
-    names = ["first_of_two", "second_of_two"]
+    names = ["first_of_two", "second_of_two", "on_its_loop"]
     extras = extras_for(*names)
+    toy_rewards.LOOPS.clear()
     for step in range(2):
         toy_rewards.STARTED.clear()
-        total, _ = score(extras, names, [1.0, 0.25], step, 8 * step)
+        total, _ = score(extras, names, [1.0, 0.25, 1.0], step, 8 * step)
         assert total.tolist() == [1.5] * 4
+    assert len(toy_rewards.LOOPS) == 2 and toy_rewards.LOOPS[0] is toy_rewards.LOOPS[1]
     with pytest.raises(UserError, match=r"^reward function 'async_broken' raised ValueError: the grader is down$"):
         score(extras_for("async_broken"), ["async_broken"], [1.0], 0, 0)
 
 
-@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo"])
+@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo", "grpo_dynamic"])
 def test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column(tmp_path, sft_model, capsys, script,
                                                                            request):
-    """Each script with reward functions, end to end: trainer_state at steps 0 and 1 (epoch: completions taken /
-    completions in a pass over the prompts), log_metric's `accuracy` in every step's log line, log_extra's `words`
-    in the samples table (online_dpo's shows pairs: none)."""
+    """Each script with reward functions, 3 steps on 5 prompts, end to end: trainer_state's global_step 0, 1, 2 and
+    its epoch, counted in whole batches (a pass over the 5 prompts drops what fills no batch); log_metric's
+    `accuracy` logged each step, the mean of the batch's accuracy rewards; log_extra's `words` in the samples table,
+    each the word count of the completion it is shown with (none in online_dpo's table of pairs, nor under
+    --dynamic_sampling, which reorders the rows shown)."""
     import importlib
+    import re
 
-    from common.data import load_split
-
-    flags = {"grpo": ["--reward_model_paths", "--num_generations", "2", "--max_completion_length", "4"],
-             "rloo": ["--reward_model_paths", "--rloo_k", "2", "--max_completion_length", "4"],
-             "online_dpo": ["--reward_model_paths", "--max_new_tokens", "4"],
-             "ppo": ["--reward_model_path", request.getfixturevalue("rm_model") if script == "ppo" else "",
-                     "--response_length", "4"]}[script]
-    module = importlib.import_module(f"algos.{script}")
+    name = script.removesuffix("_dynamic")
+    flags = {"grpo": ["--reward_model_paths", "--num_generations", "2", "--max_completion_length", "6"],
+             "rloo": ["--reward_model_paths", "--rloo_k", "2", "--max_completion_length", "6"],
+             "online_dpo": ["--reward_model_paths", "--max_new_tokens", "6"],
+             "ppo": ["--reward_model_path", request.getfixturevalue("rm_model") if name == "ppo" else "",
+                     "--response_length", "6"]}[name] + (["--dynamic_sampling"] if script != name else [])
+    module = importlib.import_module(f"algos.{name}")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"TITLE: post {i}\n\nTL;DR:"}) + "\n" for i in range(5)))
     toy_rewards.SEEN.clear()
     out = str(tmp_path / script)
     module.main(tyro.cli(module.Args, args=[
-        "--model_name_or_path", sft_model, *flags, "--reward_funcs", "tests.toy_rewards:accuracy_logged",
-        "tests.toy_rewards:curriculum", "--reward_weights", *(["0"] if script == "ppo" else []), "1", "0",
-        "--max_steps", "2", "--eval_steps", "1", "--num_sample_generations", "3", "--per_device_train_batch_size",
-        "4", "--output_dir", out]))
+        "--model_name_or_path", sft_model, "--dataset_name", str(prompts), *flags, "--reward_funcs",
+        "tests.toy_rewards:accuracy_logged", "tests.toy_rewards:curriculum", "--reward_weights",
+        *(["0"] if name == "ppo" else []), "1", "0", "--max_steps", "3", "--eval_steps", "1",
+        "--num_sample_generations", "3", "--per_device_train_batch_size", "4", "--output_dir", out]))
     log = read_log(out)
-    per_pass = len(load_split(os.path.join(ROOT, "tiny_tldr/tldr"), "train")) * (1 if script == "ppo" else 2)
-    assert toy_rewards.SEEN == [(0, 2, 0.0), (1, 2, log[0]["episode"] / per_pass)]
-    assert all(0 <= row["accuracy"] <= 1 for row in log) and len(log) == 2
-    assert capsys.readouterr().out.count("words: ") == (0 if script == "online_dpo" else 2 * 3)  # 3 rows, 2 steps
+    # completions a prompt, and a drawn batch: a step's (--dynamic_sampling: 4, drawn until the groups fill one)
+    per_prompt, per_batch = (1 if name == "ppo" else 2), (4 if script != name else log[0]["episode"])
+    whole_batches = 5 * per_prompt // per_batch  # in a pass over the 5 prompts
+    steps, maxima, epochs = zip(*toy_rewards.SEEN)  # one call a drawn batch
+    assert epochs == tuple(d / whole_batches for d in range(len(epochs))) and set(maxima) == {3}
+    assert steps == (0, 1, 2) if script == name else sorted(steps) == list(steps) and set(steps) == {0, 1, 2}
+    if script == name:
+        assert [row["accuracy"] for row in log] == pytest.approx([row["rewards/accuracy_logged/mean"] for row in log])
+    assert len(log) == 3 and all(0 <= row["accuracy"] <= 1 for row in log)
+    shown = re.findall(r"\[(\d+)\]\s+(?:completion|response): (.*)\n(?:\[\1\].*\n)*?\[\1\]\s+words: (\d+)",
+                       capsys.readouterr().out)
+    assert len(shown) == (0 if script in ("online_dpo", "grpo_dynamic") else 3 * 3)  # 3 rows at steps 1, 2, 3
+    assert all(len(text.split()) == int(words) for _, text, words in shown)
 
 
 @pytest.mark.multiproc

@@ -139,6 +139,17 @@ async def _when_the_other_starts(me: str, other: str, value: float, n: int) -> l
     return [0.0] * n
 
 
+LOOPS = []  # the event loop each call of on_its_loop ran on
+
+
+async def on_its_loop(prompts, completions, **kwargs):
+    """A function that keeps a client between calls needs them on one loop: notes the loop it runs on."""
+    import asyncio
+
+    LOOPS.append(asyncio.get_running_loop())
+    return [0.0] * len(completions)
+
+
 async def async_broken(prompts, completions, **kwargs):
     raise ValueError("the grader is down")
 

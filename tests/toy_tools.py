@@ -89,3 +89,12 @@ class Quiz:
 
     def get_reward(self) -> float:
         return float(self.right)
+
+
+MADE = []  # environments calculator_or_capitals made
+
+
+def calculator_or_capitals():
+    """A factory whose environments differ in class (TRL takes any callable): a Calculator, then Capitals, in turn."""
+    MADE.append(Capitals() if len(MADE) % 2 else Calculator())
+    return MADE[-1]
