@@ -1,24 +1,30 @@
-"""A real model learns to use a tool: SmolLM2-135M-Instruct multiplies two 3-digit numbers with a calculator.
+"""A real model learns to use tools: SmolLM2-135M-Instruct with a calculator, on one of two tasks (--task).
 
-The task: "What is 347 times 812?", a reply right when its last number is the product. The model cannot do it
-alone (0 of the held-out questions, greedy) and, with the calculator offered, never calls it: its own chat
-template renders no tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way) it
-answers from memory. The chain, per seed, each stage a subprocess of the scripts as a user runs them:
+multiply: "What is 347 times 812?", right when the reply's last number is the product: one call. It saturates
+(grpo and rloo at 100% after 10 steps). chain: "What is 347 times 812 plus 509?": multiply, then add the number
+to its result, two tools called in turn, the product copied from a tool result into the next call. The model
+cannot do either alone (0 of the held-out questions, greedy) and, with the tools offered, never calls them: its own
+chat template renders no tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way)
+it answers from memory. The chain of stages, per seed, each a subprocess of the scripts as a user runs them:
 
-1. warm-up (algos/sft.py, multi-turn): --warmup_rows conversations with the calculator's schema in the `tools`
-   column; in a --tool_share of them the assistant calls multiply, reads the result and answers; in the others
-   it answers directly (the true product, which it cannot learn to compute). It learns the call format and
-   calls on about that share of the questions: the rest is left for RL to learn.
-2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (one
-   calculator per episode; its multiply is the tool) and the exact reward `benchmarks.tool_use:correct` (the
-   final reply's last number). Both must learn to call on every question.
-3. evaluate: greedy episodes on --n_test held-out questions with plain transformers (its own loop, not
-   common/episodes.py: each turn re-renders the conversation through the chat template; a call is run, its
-   result appended, at most 2 calls): accuracy (95% Wilson interval per seed; the seeds pooled with a
+1. warm-up (algos/sft.py, multi-turn): --warmup_rows conversations with the tools' schemas in the `tools`
+   column; in a --tool_share of them the assistant calls the tools all the way, reads each result and answers
+   (chain: in as many, it calls multiply only, then answers); in the others it answers directly (the true value,
+   which it cannot learn to compute). It learns the call format, not when (or how far) to call: that is left
+   for RL.
+2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (chain:
+   `ChainCalculator`; one per episode, its public methods the tools) and the exact reward
+   `benchmarks.tool_use:correct` (the final reply's last number).
+3. (chain) gkd: the warm-up model distilled on its own episodes (--lmbda 1, reverse KL) from the better of its
+   seed's grpo and rloo models (held-out accuracy: the `pick` stage links it as <seed dir>/best_rl).
+4. evaluate: greedy episodes on --n_test held-out questions with plain transformers (its own loop, not
+   common/episodes.py: each turn re-renders the conversation through the chat template; each call is run, its
+   result appended, at most 2 calls, chain 3): accuracy (95% Wilson interval per seed; the seeds pooled with a
    percentile bootstrap over questions), tool calls and turns per episode, share of episodes that called.
 
-    python benchmarks/tool_use.py            # 2 seeds: benchmarks/results/tool_use.{json,md}
-    python benchmarks/tool_use.py --quick    # 2 steps a stage, 8 questions, 1 seed (tests/test_tool_use.py)
+    python benchmarks/tool_use.py --task chain  # 2 seeds: benchmarks/results/tool_use_chain.{json,md}
+    python benchmarks/tool_use.py               # multiply: benchmarks/results/tool_use.{json,md}
+    python benchmarks/tool_use.py --task chain --quick  # 2 steps a stage, 8 questions, 1 seed (realmodel marker)
 """
 
 import datetime
@@ -40,9 +46,9 @@ from benchmarks import arithmetic  # noqa: E402
 
 TEMPLATE = os.path.join(ROOT, "configs", "chatml_tools.jinja")
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-STAGES = ["warmup", "grpo", "rloo"]
+STAGES = ["warmup", "grpo", "rloo", "gkd"]
 TITLES = {"start": "start model", "warmup": "SFT warm-up", "grpo": "GRPO (from the warm-up)",
-          "rloo": "RLOO (from the warm-up)"}
+          "rloo": "RLOO (from the warm-up)", "gkd": "GKD (the warm-up, distilled from the best RL policy)"}
 
 
 class Calculator:
@@ -61,6 +67,32 @@ class Calculator:
         return a * b
 
 
+class ChainCalculator(Calculator):
+    """The chain task's environment: multiply, then add."""
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first term
+            b: the second term
+        """
+        return a + b
+
+
+# per task: the environment, its stages, the most calls an episode may make, the defaults of Args' task fields
+TASKS = {
+    "multiply": dict(env=Calculator, stages=STAGES[:3], max_calls=2, tool_share=0.3, max_completion_length=96,
+                     steps={"warmup": 40, "grpo": 10, "rloo": 10}, report="tool_use",
+                     title="3-digit multiplication, a calculator", question="What is 347 times 812?",
+                     right="the product"),
+    "chain": dict(env=ChainCalculator, stages=STAGES, max_calls=3, tool_share=0.2, max_completion_length=160,
+                  steps={"warmup": 40, "grpo": 8, "rloo": 8, "gkd": 8}, report="tool_use_chain",
+                  title="a product plus a number, two tools called in turn", question="What is 347 times 812 plus 509?",
+                  right="the product plus the number"),
+}
+
+
 def correct(completions, answer, **kwargs) -> list[float]:
     """1.0 when the last number of the episode's final reply is the product (a string: its last message's)."""
     return arithmetic.correct(completions, answer)
@@ -74,26 +106,33 @@ class Args:
     """data/, start_eval.json and <output_dir>/seed_<n>/<stage>"""
     results_dir: str = ""
     """where tool_use.json and .md go; empty: benchmarks/results (in quick mode: <output_dir>)"""
+    task: str = "multiply"
+    """multiply: "What is 347 times 812?", one calculator call (it saturates: 100% after 10 steps); chain: "What is
+    347 times 812 plus 509?", two tools called in turn (multiply, then add the number to its result)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2])
-    """seeds; each runs the whole chain (warm-up, grpo, rloo)"""
+    """seeds; each runs the whole chain (warm-up, then the methods)"""
     jobs: int = 2
     """stages run at the same time (1 torch thread each)"""
     quick: bool = False
     """2 steps a stage, 8 held-out questions, 1 seed: checks that the chain runs and the report is written"""
     warmup_rows: int = 320
     """warm-up conversations (sft: one pass, batch 8)"""
-    tool_share: float = 0.3
-    """share of the warm-up conversations that call the calculator"""
-    steps: dict[str, int] = field(default_factory=lambda: {"warmup": 40, "grpo": 10, "rloo": 10})
-    """optimizer steps of each stage (rollouts for rloo)"""
-    learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5})
+    tool_share: float = 0.0
+    """share of the warm-up conversations that call the tools all the way (chain: as many call multiply only, then
+    answer); the rest answer directly. 0: the task's (multiply 0.3, chain 0.2)"""
+    steps: dict[str, int] = field(default_factory=dict)
+    """optimizer steps of each stage (rollouts for rloo); a stage not named: the task's (TASKS)"""
+    learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5,
+                                                                      "gkd": 2e-5})
     """peak learning rates"""
     n_test: int = 100
     """held-out questions evaluated"""
-    max_completion_length: int = 96
-    """tokens of a whole episode (the model's turns, tool results and the template's text between them)"""
+    max_completion_length: int = 0
+    """tokens of a whole episode (the model's turns, tool results and the template's text between them); 0: the
+    task's (multiply 96, chain 160)"""
     stage: str = ""
-    """internal: 'evaluate' (with --stage_models) runs the evaluation alone"""
+    """internal: 'evaluate' (with --stage_models) runs the evaluation alone; 'pick' links <seed dir>/best_rl to the
+    better of --stage_models (the RL models, by held-out accuracy), gkd's teacher"""
     stage_models: list[str] = field(default_factory=list)
     """internal: the model folders --stage evaluate judges"""
 
@@ -101,49 +140,73 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------
-def problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
+def problems(n: int, seed: int, exclude=frozenset(), task: str = "multiply") -> list[dict]:
+    """n questions of 3-digit numbers, none of `exclude` (their numbers): "What is a times b?" (chain: "What is a
+    times b plus c?") with the answer's string."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < n:
-        a, b = rng.randint(100, 999), rng.randint(100, 999)
-        if (a, b) not in seen:
-            seen.add((a, b))
-            rows.append({"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "answer": str(a * b)})
+        a, b, *c = (rng.randint(100, 999) for _ in range(3 if task == "chain" else 2))
+        if (a, b, *c) not in seen:
+            seen.add((a, b, *c))
+            question = f"What is {a} times {b}{''.join(f' plus {x}' for x in c)}?"
+            rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a * b + sum(c))})
     return rows
+
+
+def numbers(row: dict) -> tuple:
+    return tuple(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))
+
+
+def tool_schemas(task: str) -> list[dict]:
+    """The task's tools as training renders them (common/episodes.py: the environment's public methods)."""
+    from transformers.utils import get_json_schema
+
+    from common.episodes import environment_methods
+
+    env = TASKS[task]["env"]
+    return [get_json_schema(getattr(env, name)) for name in environment_methods(env)]
+
+
+def tool_turn(name: str, a: int, b: int) -> list[dict]:
+    """A warm-up call of a tool and its result."""
+    call = {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": name, "content": str(a * b if name == "multiply" else a + b)}]
 
 
 def write_task(args: Args) -> None:
     """<output_dir>/data: test.jsonl (held out), prompts/ (prompt + answer), warmup/ (messages + tools)."""
-    from transformers.utils import get_json_schema
-
-    test = problems(300, seed=0)
-    train = problems(2000, seed=1, exclude={tuple(map(int, re.findall(r"\d+", r["prompt"][0]["content"])))
-                                            for r in test})
-    data, tools = os.path.join(args.output_dir, "data"), [get_json_schema(Calculator.multiply)]
+    test = problems(300, seed=0, task=args.task)
+    train = problems(2000, seed=1, exclude={numbers(r) for r in test}, task=args.task)
+    data, tools = os.path.join(args.output_dir, "data"), tool_schemas(args.task)
     arithmetic.write_jsonl(test, os.path.join(data, "test.jsonl"))
     arithmetic.write_jsonl(train[args.warmup_rows:], os.path.join(data, "prompts", "train.jsonl"))
     rng, warmup = random.Random(0), []
     for row in train[:args.warmup_rows]:
-        a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
-        answer = {"role": "assistant", "content": f"{a} times {b} is {a * b}."}
-        call = [{"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]},
-                {"role": "tool", "name": "multiply", "content": str(a * b)}]
-        warmup.append({"messages": row["prompt"] + (call if rng.random() < args.tool_share else []) + [answer],
-                       "tools": json.dumps(tools)})
+        a, b, *c = numbers(row)
+        answer = {"role": "assistant", "content": f"{row['prompt'][0]['content'][8:-1]} is {row['answer']}."}
+        multiply = tool_turn("multiply", a, b)
+        chain = multiply + [m for x in c for m in tool_turn("add", a * b, x)]
+        draw = rng.random()  # a chain; (chain task) as often, multiply alone; else the answer straight away
+        calls = chain if draw < args.tool_share else multiply if c and draw < 2 * args.tool_share else []
+        warmup.append({"messages": row["prompt"] + calls + [answer], "tools": json.dumps(tools)})
     arithmetic.write_jsonl(warmup, os.path.join(data, "warmup", "train.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------
 # evaluation: greedy episodes with plain transformers
 # ---------------------------------------------------------------------------------------------
-def episodes(model, tokenizer, rows: list[dict], max_calls: int = 2, max_new_tokens: int = 48) -> list[list[dict]]:
-    """Each row's conversation after the prompt: every turn renders the whole conversation so far (the
-    calculator's schema in it), the model replies greedy; a reply with a <tool_call> JSON gets the
-    product back as a tool message, until a reply without a call or max_calls calls."""
+def episodes(model, tokenizer, rows: list[dict], task: str = "multiply", max_new_tokens: int = 48
+             ) -> list[list[dict]]:
+    """Each row's conversation after the prompt: every turn renders the whole conversation so far (the task's
+    tool schemas in it), the model replies greedy; a reply with <tool_call> JSONs gets each call's result back as
+    a tool message, until a reply without a call or the task's max_calls calls."""
     import torch
-    from transformers.utils import get_json_schema
 
-    tools = [get_json_schema(Calculator.multiply)]
+    from common.episodes import environment_methods
+
+    env, max_calls, tools = TASKS[task]["env"], TASKS[task]["max_calls"], tool_schemas(task)
+    names = environment_methods(env)
     talks, active = [[] for _ in rows], list(range(len(rows)))
     for turn in range(max_calls + 1):
         if not active:
@@ -165,14 +228,14 @@ def episodes(model, tokenizer, rows: list[dict], max_calls: int = 2, max_new_tok
             for body in found:
                 try:
                     call = json.loads(body)
-                    if call["name"] != "multiply":  # as training answers it: an unknown tool is a failed call
+                    if call["name"] not in names:  # as training answers it: an unknown tool is a failed call
                         raise ValueError(f"Tool {call['name']} not found.")
-                    result = str(Calculator().multiply(**call["arguments"]))
+                    result = str(getattr(env(), call["name"])(**call["arguments"]))
                 except Exception as e:  # the model's JSON or arguments
-                    call, result = {"name": "multiply", "arguments": {}}, str({"error": str(e)})
+                    call, result = {"name": names[-1], "arguments": {}}, str({"error": str(e)})
                 calls.append({"type": "function", "function": {"name": call.get("name"), "arguments":
                                                                call.get("arguments", {})}})
-                results.append({"role": "tool", "name": "multiply", "content": result})
+                results.append({"role": "tool", "name": call.get("name"), "content": result})
             talks[i] += [{"role": "assistant", "content": CALL.split(reply)[0].strip(), "tool_calls": calls}, *results]
             still.append(i)
         active = still
@@ -190,7 +253,8 @@ def evaluate(args: Args) -> None:
         model, tokenizer = load_model(path, threads=1)
         if path == args.model_name_or_path:
             tokenizer.chat_template = open(TEMPLATE).read()
-        talks = [t for i in range(0, len(rows), 25) for t in episodes(model, tokenizer, rows[i:i + 25])]
+        talks = [t for i in range(0, len(rows), 25)
+                 for t in episodes(model, tokenizer, rows[i:i + 25], args.task)]
         right = [int(x) for x in correct(talks, [r["answer"] for r in rows])]
         calls = [sum(len(m.get("tool_calls", [])) for m in t) for t in talks]
         result = {"model": path, "n": len(rows), "correct": right, "accuracy": sum(right) / len(rows),
@@ -206,6 +270,22 @@ def evaluate(args: Args) -> None:
             json.dump(result, f, indent=2)
 
 
+def pick(args: Args) -> None:
+    """gkd's teacher: <seed dir>/best_rl links to the --stage_models folder of highest held-out accuracy (the
+    first if tied), and best_rl.json says which."""
+    scores = []
+    for path in args.stage_models:
+        with open(os.path.join(path, "tool_use_eval.json")) as f:
+            scores.append(json.load(f)["accuracy"])
+    best = args.stage_models[scores.index(max(scores))]
+    link = os.path.join(os.path.dirname(best), "best_rl")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(best), link)
+    with open(link + ".json", "w") as f:
+        json.dump({"teacher": os.path.basename(best), "accuracy": dict(zip(args.stage_models, scores))}, f)
+
+
 # ---------------------------------------------------------------------------------------------
 # the chain: stage command lines, run, report
 # ---------------------------------------------------------------------------------------------
@@ -219,31 +299,42 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
         return ["algos/sft.py", "--model_name_or_path", args.model_name_or_path, "--dataset_name",
                 os.path.join(data, "warmup"), "--chat_template_path", TEMPLATE, "--per_device_train_batch_size",
                 str(batch), "--max_length", "384", "--dataset_test_split", "", *common]
-    completions = 4 if args.quick else 16
+    task, completions = TASKS[args.task], 4 if args.quick else 16
+    episodes = ["--model_name_or_path", os.path.join(run_dir, "warmup"), "--dataset_name",
+                os.path.join(data, "prompts"), "--environment_factory", f"benchmarks.tool_use:{task['env'].__name__}",
+                "--max_tool_calling_iterations", str(task["max_calls"]), "--per_device_train_batch_size",
+                str(completions), "--temperature", "0.7"]
+    if name == "gkd":  # on-policy distillation of the warm-up model's own episodes (lmbda 1, reverse KL: beta 1)
+        return ["algos/gkd.py", *episodes, "--teacher_model_name_or_path", os.path.join(run_dir, "best_rl"),
+                "--max_new_tokens", str(args.max_completion_length), "--max_length",
+                str(384 + args.max_completion_length), "--eval_steps", str(args.steps[name]), *common]
     group = ["--num_generations", str(min(8, completions))] if name == "grpo" else [
         "--rloo_k", "4", "--num_ppo_epochs", "1"]
-    return [f"algos/{name}.py", "--model_name_or_path", os.path.join(run_dir, "warmup"), "--dataset_name",
-            os.path.join(data, "prompts"), "--reward_model_paths", "--reward_funcs", "benchmarks.tool_use:correct",
-            "--environment_factory", "benchmarks.tool_use:Calculator", "--max_tool_calling_iterations", "2",
-            "--per_device_train_batch_size", str(completions), *group, "--temperature", "0.7",
-            "--max_prompt_length", "384", "--max_completion_length", str(args.max_completion_length), *common]
+    return [f"algos/{name}.py", *episodes, "--reward_model_paths", "--reward_funcs", "benchmarks.tool_use:correct",
+            *group, "--max_prompt_length", "384", "--max_completion_length", str(args.max_completion_length), *common]
 
 
 def chain(args: Args, stamp: int) -> dict:
-    """{key: (argv, keys it waits for, log)}: the start model's evaluation; per seed warm-up, then grpo and
-    rloo, each evaluated when trained."""
-    me = ["benchmarks/tool_use.py", "--model_name_or_path", args.model_name_or_path, "--output_dir", args.output_dir,
-          "--n_test", str(args.n_test), "--stage", "evaluate", "--stage_models"]
-    stages = {}
+    """{key: (argv, keys it waits for, log)}: the start model's evaluation; per seed the warm-up, then grpo and
+    rloo, each evaluated when trained; (chain task) the pick of the better RL model, then gkd from it."""
+    me = ["benchmarks/tool_use.py", "--task", args.task, "--model_name_or_path", args.model_name_or_path,
+          "--output_dir", args.output_dir, "--n_test", str(args.n_test), "--stage", "evaluate", "--stage_models"]
+    stages, names = {}, TASKS[args.task]["stages"]
     for seed in args.seeds:
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
-        for name in STAGES:
-            stages[seed, name] = (stage_argv(name, seed, args, stamp), [] if name == "warmup" else [(seed, "warmup")],
+        for name in names:
+            needs = {"warmup": [], "gkd": [(seed, "pick")]}.get(name, [(seed, "warmup")])
+            stages[seed, name] = (stage_argv(name, seed, args, stamp), needs,
                                   os.path.join(run_dir, "logs", f"{name}.log"))
+        if "gkd" in names:
+            rl = [os.path.join(run_dir, n) for n in ("grpo", "rloo")]
+            stages[seed, "pick"] = ([*me[:-3], "--stage", "pick", "--stage_models", *rl],
+                                    [(seed, "grpo", "eval"), (seed, "rloo", "eval")],
+                                    os.path.join(run_dir, "logs", "pick.log"))
     stages["start"] = (me + [args.model_name_or_path], [], os.path.join(args.output_dir, "logs", "start.log"))
     for seed in args.seeds:
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
-        for name in STAGES:
+        for name in names:
             stages[seed, name, "eval"] = (me + [os.path.join(run_dir, name)], [(seed, name)],
                                           os.path.join(run_dir, "logs", f"{name}_eval.log"))
     return stages
@@ -255,7 +346,7 @@ def collect(args: Args, seconds: dict) -> dict:
 
     with open(os.path.join(args.output_dir, "start_eval.json")) as f:
         result = {"start": json.load(f), "methods": {}}
-    for name in STAGES:
+    for name in TASKS[args.task]["stages"]:
         runs = {}
         for seed in args.seeds:
             folder = os.path.join(args.output_dir, f"seed_{seed}", name)
@@ -266,6 +357,9 @@ def collect(args: Args, seconds: dict) -> dict:
             runs[str(seed)].update(seconds=seconds[seed, name], seconds_per_step=seconds_per_step(steps),
                                    train_log=[{k: v for k, v in r.items() if k.startswith(
                                        ("tools/", "episodes/", "rewards/", "loss", "step"))} for r in steps])
+            if name == "gkd":
+                with open(os.path.join(args.output_dir, f"seed_{seed}", "best_rl.json")) as f:
+                    runs[str(seed)]["teacher"] = json.load(f)["teacher"]
         per_question = [list(q) for q in zip(*(r["correct"] for r in runs.values()))]
         accuracy = sum(map(sum, per_question)) / (len(per_question) * len(runs))
         result["methods"][name] = {"runs": runs, "accuracy": accuracy, "ci95": bootstrap(per_question),
@@ -294,13 +388,22 @@ def markdown(r: dict, args: Args) -> str:
                "sampled calls / episode, step 1 -> last", "wall time (min)"]
     header = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
     quick = "\n**QUICK MODE: 2 steps a stage; the numbers mean nothing.**\n" if args.quick else ""
-    s = r["settings"]
-    return f"""# A real model learns to use a tool: SmolLM2-135M-Instruct, 3-digit multiplication, a calculator
+    s, task = r["settings"], TASKS[args.task]
+    env, calls = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"]
+    warmup = (f"{s['tool_share']:.0%} call the calculator, the rest answer directly" if args.task == "multiply" else
+              f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
+              "directly")
+    gkd = "" if "gkd" not in r["methods"] else (
+        f"GKD (algos/gkd.py): {s['steps']['gkd']} steps of 16 of the warm-up model's own episodes (--lmbda 1, --beta "
+        "1: the reverse KL on its own tokens, tool results as context), temperature 0.7, lr "
+        f"{s['learning_rates']['gkd']}, the teacher per seed the RL model of higher held-out accuracy (" + ", ".join(
+            f"seed {k}: {v['teacher']}" for k, v in r["methods"]["gkd"]["runs"].items()) + ").\n")
+    return f"""# A real model learns to use a tool: SmolLM2-135M-Instruct, {task['title']}
 {quick}
 Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min.
 
-Held-out greedy episodes on {s['n_test']} questions ("What is 347 times 812?"; right when the final reply's last
-number is the product), at most 2 calculator calls each. Accuracy: mean over seeds {', '.join(map(str, s['seeds']))}
+Held-out greedy episodes on {s['n_test']} questions ("{task['question']}"; right when the final reply's last
+number is {task['right']}), at most {calls} tool calls each. Accuracy: mean over seeds {', '.join(map(str, s['seeds']))}
 with a 95% percentile bootstrap over questions (each question's correctness averaged over the seeds); per seed,
 the 95% Wilson interval. Called: share of episodes with a tool call; calls and turns (assistant replies) per
 episode; in training (sampled at temperature 0.7), TRL's tools/call_frequency at the first and last step,
@@ -310,25 +413,30 @@ thread each).
 {header}
 {chr(10).join(rows)}
 
-Warm-up: algos/sft.py on {s['warmup_rows']} conversations ({s['tool_share']:.0%} call the calculator, the rest answer
-directly), {s['steps']['warmup']} steps of 8, lr {s['learning_rates']['warmup']}, `--chat_template_path
-configs/chatml_tools.jinja`. GRPO: {s['steps']['grpo']} steps of 2 prompts x 8 episodes; RLOO: {s['steps']['rloo']}
-rollouts of 4 prompts x 4, one pass; both at temperature 0.7, lr {s['learning_rates']['grpo']} /
-{s['learning_rates']['rloo']}, `--environment_factory benchmarks.tool_use:Calculator --max_tool_calling_iterations 2
---max_completion_length {s['max_completion_length']}`, reward `benchmarks.tool_use:correct`, the scripts' other
-defaults.
-"""
+Warm-up: algos/sft.py on {s['warmup_rows']} conversations ({warmup}), {s['steps']['warmup']} steps of 8, lr
+{s['learning_rates']['warmup']}, `--chat_template_path configs/chatml_tools.jinja`. GRPO: {s['steps']['grpo']} steps
+of 2 prompts x 8 episodes; RLOO: {s['steps']['rloo']} rollouts of 4 prompts x 4, one pass; both at temperature 0.7,
+lr {s['learning_rates']['grpo']} / {s['learning_rates']['rloo']}, `--environment_factory {env}
+--max_tool_calling_iterations {calls} --max_completion_length {s['max_completion_length']}`, reward
+`benchmarks.tool_use:correct`, the scripts' other defaults.
+{gkd}"""
 
 
 def main(args: Args):
+    if args.task not in TASKS:
+        sys.exit(f"error: --task is one of {', '.join(TASKS)} (got {args.task!r})")
+    task = TASKS[args.task]
+    args.steps = task["steps"] | args.steps
+    args.tool_share = args.tool_share or task["tool_share"]
+    args.max_completion_length = args.max_completion_length or task["max_completion_length"]
     if args.quick:
         args.steps, args.n_test, args.seeds = {k: 2 for k in args.steps}, 8, args.seeds[:1]
     if not args.model_name_or_path:
         from benchmarks import smollm2
 
         args.model_name_or_path = smollm2.build()
-    if args.stage == "evaluate":
-        return evaluate(args)
+    if args.stage in ("evaluate", "pick"):
+        return evaluate(args) if args.stage == "evaluate" else pick(args)
     from benchmarks.run_tiny_tldr import run_stages
 
     os.chdir(ROOT)  # the environment and reward are imported from the working directory
@@ -341,10 +449,10 @@ def main(args: Args):
                   machine=f"{os.cpu_count()} CPU cores ({platform.machine()})", model=args.model_name_or_path)
     results_dir = args.results_dir or (args.output_dir if args.quick else os.path.join(ROOT, "benchmarks", "results"))
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "tool_use.json"), "w") as f:
+    with open(os.path.join(results_dir, f"{task['report']}.json"), "w") as f:
         json.dump(result, f, indent=2, default=str)
     report = markdown(result, args)
-    with open(os.path.join(results_dir, "tool_use.md"), "w") as f:
+    with open(os.path.join(results_dir, f"{task['report']}.md"), "w") as f:
         f.write(report)
     print(report)
 

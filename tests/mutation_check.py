@@ -55,6 +55,7 @@ ASYNC_LOGPS = ("tests/test_async.py::test_k1_behaviour_logps_are_the_sampling_di
 ASYNC_STEP = "tests/test_async.py::test_k1_step_gradient_is_the_loss_written_out_with_the_capped_staleness_weight"
 GRPO_STATS = "tests/test_grpo.py::test_loss_statistics_kl_and_clipped_shares_hand_worked"
 GKD = "tests/test_gkd.py::"
+TOOL_USE = "tests/test_tool_use.py::"
 PACKED = "tests/test_packing.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
@@ -630,6 +631,17 @@ MUTATIONS = [
      "type(pool[0]) for pool in pools.values())",
      "episodes: a factory's environments of a second class get no tool schemas",
      [EPISODES + "test_a_factory_whose_environments_differ_in_class_renders_each_ones_tools"]),
+    # 173-: the agent benchmark's chain task (benchmarks/tool_use.py)
+    ("benchmarks/tool_use.py", 'tool_turn("add", a * b, x)', 'tool_turn("add", a, x)',
+     "tool_use benchmark: the warm-up's add call on the first factor, not on the product",
+     [TOOL_USE + "test_chain_data_answers_and_warmup_conversations_call_multiply_then_add_on_its_result"]),
+    ("benchmarks/tool_use.py", "best = args.stage_models[scores.index(max(scores))]",
+     "best = args.stage_models[scores.index(min(scores))]",
+     "tool_use benchmark: gkd distilled from the worse RL model",
+     [TOOL_USE + "test_pick_links_the_rl_model_of_higher_held_out_accuracy_and_the_first_when_tied"]),
+    ("benchmarks/tool_use.py", '{"warmup": [], "gkd": [(seed, "pick")]}', '{"warmup": []}',
+     "tool_use benchmark: gkd started with the warm-up, before its teacher is picked",
+     [TOOL_USE + "test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated"]),
 ]
 
 

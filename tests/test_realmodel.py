@@ -46,7 +46,8 @@ def smollm2(request, tmp_path_factory):
 
     cache = os.environ.get("SMOLLM2_CACHE")
     if not cache:  # pytest's cache (.pytest_cache/d/smollm2) survives the session; a tmp dir if it is off
-        cache = request.config.cache.mkdir("smollm2") if request.config.cache else tmp_path_factory.mktemp("smollm2")
+        cache = (request.config.cache.mkdir("smollm2") if getattr(request.config, "cache", None)
+                 else tmp_path_factory.mktemp("smollm2"))
     path = smollm2.build(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
