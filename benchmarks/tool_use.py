@@ -83,10 +83,12 @@ class ChainCalculator(Calculator):
 # per task: the environment, its stages, the most calls an episode may make, the defaults of Args' task fields
 TASKS = {
     "multiply": dict(env=Calculator, stages=STAGES[:3], max_calls=2, tool_share=0.3, max_completion_length=96,
+                     warmup_max_length=384,
                      steps={"warmup": 40, "grpo": 10, "rloo": 10}, report="tool_use",
                      title="3-digit multiplication, a calculator", question="What is 347 times 812?",
                      right="the product"),
-    "chain": dict(env=ChainCalculator, stages=STAGES, max_calls=3, tool_share=0.2, max_completion_length=160,
+    "chain": dict(env=ChainCalculator, stages=STAGES, max_calls=3, tool_share=0.2, max_completion_length=192,
+                  warmup_max_length=512,  # a whole chain conversation is 423 tokens: 384 would cut its answer
                   steps={"warmup": 40, "grpo": 8, "rloo": 8, "gkd": 8}, report="tool_use_chain",
                   title="a product plus a number, two tools called in turn", question="What is 347 times 812 plus 509?",
                   right="the product plus the number"),
@@ -129,7 +131,7 @@ class Args:
     """held-out questions evaluated"""
     max_completion_length: int = 0
     """tokens of a whole episode (the model's turns, tool results and the template's text between them); 0: the
-    task's (multiply 96, chain 160)"""
+    task's (multiply 96, chain 192)"""
     stage: str = ""
     """internal: 'evaluate' (with --stage_models) runs the evaluation alone; 'pick' links <seed dir>/best_rl to the
     better of --stage_models (the RL models, by held-out accuracy), gkd's teacher"""
@@ -298,7 +300,8 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
     if name == "warmup":
         return ["algos/sft.py", "--model_name_or_path", args.model_name_or_path, "--dataset_name",
                 os.path.join(data, "warmup"), "--chat_template_path", TEMPLATE, "--per_device_train_batch_size",
-                str(batch), "--max_length", "384", "--dataset_test_split", "", *common]
+                str(batch), "--max_length", str(TASKS[args.task]["warmup_max_length"]), "--dataset_test_split", "",
+                *common]
     task, completions = TASKS[args.task], 4 if args.quick else 16
     episodes = ["--model_name_or_path", os.path.join(run_dir, "warmup"), "--dataset_name",
                 os.path.join(data, "prompts"), "--environment_factory", f"benchmarks.tool_use:{task['env'].__name__}",

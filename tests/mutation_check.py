@@ -642,6 +642,9 @@ MUTATIONS = [
     ("benchmarks/tool_use.py", '{"warmup": [], "gkd": [(seed, "pick")]}', '{"warmup": []}',
      "tool_use benchmark: gkd started with the warm-up, before its teacher is picked",
      [TOOL_USE + "test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated"]),
+    ("benchmarks/tool_use.py", "warmup_max_length=512,", "warmup_max_length=384,",
+     "tool_use benchmark: the chain task's warm-up conversations cut before their final answer",
+     [TOOL_USE + "test_the_evaluation_runs_a_call_and_reads_the_final_reply"]),
 ]
 
 

@@ -61,7 +61,7 @@ def test_chain_data_answers_and_warmup_conversations_call_multiply_then_add_on_i
 
 def test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated(tmp_path):
     args = tool_use.Args(task="chain", output_dir=str(tmp_path), model_name_or_path="m", seeds=[3])
-    args.steps, args.max_completion_length = tool_use.TASKS["chain"]["steps"], 160
+    args.steps, args.max_completion_length = tool_use.TASKS["chain"]["steps"], 192
     stages = tool_use.chain(args, stamp=0)
     seed_dir = os.path.join(str(tmp_path), "seed_3")
     argv, needs, _ = stages[3, "gkd"]
@@ -70,14 +70,14 @@ def test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_
     assert flag(argv, "--teacher_model_name_or_path") == os.path.join(seed_dir, "best_rl")
     assert flag(argv, "--model_name_or_path") == os.path.join(seed_dir, "warmup")
     assert flag(argv, "--environment_factory") == "benchmarks.tool_use:ChainCalculator"
-    assert flag(argv, "--max_tool_calling_iterations") == "3" and flag(argv, "--max_new_tokens") == "160"
+    assert flag(argv, "--max_tool_calling_iterations") == "3" and flag(argv, "--max_new_tokens") == "192"
     pick_argv, pick_needs, _ = stages[3, "pick"]
     assert sorted(pick_needs) == [(3, "grpo", "eval"), (3, "rloo", "eval")]
     assert pick_argv[pick_argv.index("--stage") + 1] == "pick" and pick_argv.count("--stage") == 1
     assert pick_argv[-2:] == [os.path.join(seed_dir, "grpo"), os.path.join(seed_dir, "rloo")]
     assert stages[3, "gkd", "eval"][1] == [(3, "gkd")]
     for name in ("grpo", "rloo"):
-        assert stages[3, name][1] == [(3, "warmup")] and flag(stages[3, name][0], "--max_completion_length") == "160"
+        assert stages[3, name][1] == [(3, "warmup")] and flag(stages[3, name][0], "--max_completion_length") == "192"
     args = tool_use.Args(output_dir=str(tmp_path), model_name_or_path="m", seeds=[3])  # multiply: no gkd, no pick
     args.steps, args.max_completion_length = tool_use.TASKS["multiply"]["steps"], 96
     stages = tool_use.chain(args, stamp=0)
@@ -103,7 +103,7 @@ def test_pick_links_the_rl_model_of_higher_held_out_accuracy_and_the_first_when_
 
 
 @pytest.mark.realmodel
-def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2):  # noqa: F811
+def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2, tmp_path):  # noqa: F811
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
@@ -124,6 +124,14 @@ def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2):  # noqa:
     model = Scripted(tokenizer, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "5"])
     talks = tool_use.episodes(model, tokenizer, rows[:1])
     assert talks[0][1]["content"] == str({"error": "Tool add not found."})
+    # every warm-up conversation fits the warm-up's --max_length whole (else sft cuts its final answer off)
+    for task in tool_use.TASKS:
+        args = tool_use.Args(task=task, output_dir=str(tmp_path / task), tool_share=0.3)
+        tool_use.write_task(args)
+        with open(tmp_path / task / "data" / "warmup" / "train.jsonl") as f:
+            longest = max((json.loads(line) for line in f), key=lambda r: len(r["messages"]))
+        text = tokenizer.apply_chat_template(longest["messages"], tools=json.loads(longest["tools"]), tokenize=False)
+        assert len(tokenizer(text, add_special_tokens=False).input_ids) <= tool_use.TASKS[task]["warmup_max_length"]
     # the chain task: multiply, then add on its result (each result seen by the next turn), then the answer
     rows = tool_use.problems(2, seed=5, task="chain")
     a, b, c = tool_use.numbers(rows[0])
