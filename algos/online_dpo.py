@@ -324,6 +324,7 @@ def main(args: Args):
                     source_scores[name].append(values.to(accelerator.device))
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~finished).float()
+            # counted after scoring: trainer_state.epoch is the batches done before this one
             episode += len(pair_indices) * args.world_size
 
             # ---- ADVANTAGES (DPO's: the ranking): chosen = the higher score (ties: the first sample). A pair

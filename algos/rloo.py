@@ -323,6 +323,7 @@ def main(args: Args):
             sources, weights, prompts=prompts, completions=completions, columns=columns, scores=scores_of,
             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, samples.completion_mask)],
             call=extras and extras.caller(step - 1, episode))
+        # counted after scoring: trainer_state.epoch is the batches done before this one
         episode += args.rollout_batch_size
         scores = scores.to(accelerator.device)
         if args.missing_eos_penalty is not None:

@@ -441,6 +441,7 @@ def main(args: Args):
     if args.stage in ("evaluate", "pick"):
         return evaluate(args) if args.stage == "evaluate" else pick(args)
     from benchmarks.run_tiny_tldr import run_stages
+    from benchmarks.vs_trl import machine
 
     os.chdir(ROOT)  # the environment and reward are imported from the working directory
     start = time.time()
@@ -449,7 +450,8 @@ def main(args: Args):
     result = collect(args, seconds)
     result.update(settings=asdict(args), total_seconds=time.time() - start, date=datetime.date.today().isoformat(),
                   command=shlex.join(["python", "benchmarks/tool_use.py", *sys.argv[1:]]),
-                  machine=f"{os.cpu_count()} CPU cores ({platform.machine()})", model=args.model_name_or_path)
+                  machine=f"{os.cpu_count()} CPU cores ({platform.machine()}, {machine()['cpu']})",
+                  model=args.model_name_or_path)
     results_dir = args.results_dir or (args.output_dir if args.quick else os.path.join(ROOT, "benchmarks", "results"))
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"{task['report']}.json"), "w") as f:
