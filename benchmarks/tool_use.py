@@ -115,6 +115,8 @@ class Args:
     """seeds; each runs the whole chain (warm-up, then the methods)"""
     jobs: int = 2
     """stages run at the same time (1 torch thread each)"""
+    resume: bool = False
+    """after an interruption: run the stages not yet finished (<output_dir>/progress.jsonl), the others kept"""
     quick: bool = False
     """2 steps a stage, 8 held-out questions, 1 seed: checks that the chain runs and the report is written"""
     warmup_rows: int = 320
@@ -307,8 +309,11 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
                 os.path.join(data, "prompts"), "--environment_factory", f"benchmarks.tool_use:{task['env'].__name__}",
                 "--max_tool_calling_iterations", str(task["max_calls"]), "--per_device_train_batch_size",
                 str(completions), "--temperature", "0.7"]
-    if name == "gkd":  # on-policy distillation of the warm-up model's own episodes (lmbda 1, reverse KL: beta 1)
-        return ["algos/gkd.py", *episodes, "--teacher_model_name_or_path", os.path.join(run_dir, "best_rl"),
+    if name == "gkd":  # on-policy distillation of the warm-up model's own episodes (lmbda 1, reverse KL: beta 1);
+        # micro-batches of 4: the full-vocabulary divergence of 16 episodes of ~480 tokens took 15.7 GB at once
+        micro = ["--per_device_train_batch_size", str(min(4, completions)), "--gradient_accumulation_steps",
+                 str(completions // min(4, completions))]
+        return ["algos/gkd.py", *episodes, *micro, "--teacher_model_name_or_path", os.path.join(run_dir, "best_rl"),
                 "--max_new_tokens", str(args.max_completion_length), "--max_length",
                 str(384 + args.max_completion_length), "--eval_steps", str(args.steps[name]), *common]
     group = ["--num_generations", str(min(8, completions))] if name == "grpo" else [
@@ -392,18 +397,21 @@ def markdown(r: dict, args: Args) -> str:
     header = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
     quick = "\n**QUICK MODE: 2 steps a stage; the numbers mean nothing.**\n" if args.quick else ""
     s, task = r["settings"], TASKS[args.task]
+    runs = (f" ({r['runs']} runs: interrupted, then --resume; each counted up to its last finished stage)"
+            if r.get("runs", 1) > 1 else "")
     env, calls = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"]
     warmup = (f"{s['tool_share']:.0%} call the calculator, the rest answer directly" if args.task == "multiply" else
               f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
               "directly")
     gkd = "" if "gkd" not in r["methods"] else (
-        f"GKD (algos/gkd.py): {s['steps']['gkd']} steps of 16 of the warm-up model's own episodes (--lmbda 1, --beta "
+        f"GKD (algos/gkd.py): {s['steps']['gkd']} steps of 16 (4 x 4 accumulated) of the warm-up model's own "
+        "episodes (--lmbda 1, --beta "
         "1: the reverse KL on its own tokens, tool results as context), temperature 0.7, lr "
         f"{s['learning_rates']['gkd']}, the teacher per seed the RL model of higher held-out accuracy (" + ", ".join(
             f"seed {k}: {v['teacher']}" for k, v in r["methods"]["gkd"]["runs"].items()) + ").\n")
     return f"""# A real model learns to use a tool: SmolLM2-135M-Instruct, {task['title']}
 {quick}
-Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min.
+Produced {r['date']} by `{r['command']}` on {r['machine']}; total wall time {r['total_seconds'] / 60:.1f} min{runs}.
 
 Held-out greedy episodes on {s['n_test']} questions ("{task['question']}"; right when the final reply's last
 number is {task['right']}), at most {calls} tool calls each. Accuracy: mean over seeds {', '.join(map(str, s['seeds']))}
@@ -440,15 +448,18 @@ def main(args: Args):
         args.model_name_or_path = smollm2.build()
     if args.stage in ("evaluate", "pick"):
         return evaluate(args) if args.stage == "evaluate" else pick(args)
-    from benchmarks.run_tiny_tldr import run_stages
+    from benchmarks.run_tiny_tldr import run_stages, start_progress
     from benchmarks.vs_trl import machine
 
     os.chdir(ROOT)  # the environment and reward are imported from the working directory
     start = time.time()
+    progress = os.path.join(args.output_dir, "progress.jsonl")  # a line per finished stage, for --resume
+    stamp, earlier_seconds, earlier_runs = start_progress(progress, args.resume)
     write_task(args)
-    seconds = run_stages(chain(args, int(start)), args.jobs, threads=1)
+    seconds = run_stages(chain(args, stamp), args.jobs, threads=1, progress=progress)
     result = collect(args, seconds)
-    result.update(settings=asdict(args), total_seconds=time.time() - start, date=datetime.date.today().isoformat(),
+    result.update(settings=asdict(args), total_seconds=time.time() - start + earlier_seconds, runs=earlier_runs + 1,
+                  date=datetime.date.today().isoformat(),
                   command=shlex.join(["python", "benchmarks/tool_use.py", *sys.argv[1:]]),
                   machine=f"{os.cpu_count()} CPU cores ({platform.machine()}, {machine()['cpu']})",
                   model=args.model_name_or_path)
