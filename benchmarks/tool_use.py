@@ -1,30 +1,34 @@
-"""A real model learns to use tools: SmolLM2-135M-Instruct with a calculator, on one of two tasks (--task).
+"""A real model learns to use tools: SmolLM2-135M-Instruct with a calculator, on one of three tasks (--task).
 
 multiply: "What is 347 times 812?", right when the reply's last number is the product: one call. It saturates
 (grpo and rloo at 100% after 10 steps). chain: "What is 347 times 812 plus 509?": multiply, then add the number
-to its result, two tools called in turn, the product copied from a tool result into the next call. The model
-cannot do either alone (0 of the held-out questions, greedy) and, with the tools offered, never calls them: its own
-chat template renders no tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way)
-it answers from memory. The chain of stages, per seed, each a subprocess of the scripts as a user runs them:
+to its result, two tools called in turn, the product copied from a tool result into the next call (it saturates
+too: rloo 99.5% after 8 steps). mixed: chain's questions and, as many, "What is 509 plus 347 times 812?" (multiply
+the last two, then add the first), whose whole chain the warm-up never shows. The model cannot do any alone (0 of
+the held-out questions, greedy) and, with the tools offered, never calls them: its own chat template renders no
+tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way) it answers from memory.
+The chain of stages, per seed, each a subprocess of the scripts as a user runs them:
 
 1. warm-up (algos/sft.py, multi-turn): --warmup_rows conversations with the tools' schemas in the `tools`
    column; in a --tool_share of them the assistant calls the tools all the way, reads each result and answers
-   (chain: in as many, it calls multiply only, then answers); in the others it answers directly (the true value,
+   (chain: in as many, it calls multiply only, then answers; mixed: the "plus first" questions call multiply on
+   the last two numbers only, in twice that share, never add); in the others it answers directly (the true value,
    which it cannot learn to compute). It learns the call format, not when (or how far) to call: that is left
    for RL.
-2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (chain:
-   `ChainCalculator`; one per episode, its public methods the tools) and the exact reward
+2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (chain,
+   mixed: `ChainCalculator`; one per episode, its public methods the tools) and the exact reward
    `benchmarks.tool_use:correct` (the final reply's last number).
-3. (chain) gkd: the warm-up model distilled on its own episodes (--lmbda 1, reverse KL) from the better of its
-   seed's grpo and rloo models (held-out accuracy: the `pick` stage links it as <seed dir>/best_rl).
+3. (chain, mixed) gkd: the warm-up model distilled on its own episodes (--lmbda 1, reverse KL) from the better
+   of its seed's grpo and rloo models (held-out accuracy: the `pick` stage links it as <seed dir>/best_rl).
 4. evaluate: greedy episodes on --n_test held-out questions with plain transformers (its own loop, not
    common/episodes.py: each turn re-renders the conversation through the chat template; each call is run, its
-   result appended, at most 2 calls, chain 3): accuracy (95% Wilson interval per seed; the seeds pooled with a
-   percentile bootstrap over questions), tool calls and turns per episode, share of episodes that called.
+   result appended, at most 2 calls, chain and mixed 3): accuracy (95% Wilson interval per seed; the seeds pooled
+   with a percentile bootstrap over questions), tool calls and turns per episode, share of episodes that called.
 
+    python benchmarks/tool_use.py --task mixed  # 2 seeds: benchmarks/results/tool_use_mixed.{json,md}
     python benchmarks/tool_use.py --task chain  # 2 seeds: benchmarks/results/tool_use_chain.{json,md}
     python benchmarks/tool_use.py               # multiply: benchmarks/results/tool_use.{json,md}
-    python benchmarks/tool_use.py --task chain --quick  # 2 steps a stage, 8 questions, 1 seed (realmodel marker)
+    python benchmarks/tool_use.py --task mixed --quick  # 2 steps a stage, 8 questions, 1 seed (realmodel marker)
 """
 
 import datetime
@@ -93,6 +97,12 @@ TASKS = {
                   title="a product plus a number, two tools called in turn", question="What is 347 times 812 plus 509?",
                   right="the product plus the number"),
 }
+# mixed: chain's tools and budget; half the questions "a plus b times c" (multiply b and c, then add a), whose whole
+# chain the warm-up never shows (only multiply on b and c): RL has to find the add step on that form itself
+TASKS["mixed"] = TASKS["chain"] | dict(tool_share=0.25, report="tool_use_mixed",
+                                       title="a product and a sum in either order, two tools called in turn",
+                                       question='What is 347 times 812 plus 509?" or "What is 509 plus 347 times 812?',
+                                       right="its value, times before plus")
 
 
 def correct(completions, answer, **kwargs) -> list[float]:
@@ -110,7 +120,8 @@ class Args:
     """where tool_use.json and .md go; empty: benchmarks/results (in quick mode: <output_dir>)"""
     task: str = "multiply"
     """multiply: "What is 347 times 812?", one calculator call (it saturates: 100% after 10 steps); chain: "What is
-    347 times 812 plus 509?", two tools called in turn (multiply, then add the number to its result)"""
+    347 times 812 plus 509?", two tools called in turn (multiply, then add the number to its result); mixed: chain's
+    questions and as many "What is 509 plus 347 times 812?", whose add step the warm-up never shows"""
     seeds: list[int] = field(default_factory=lambda: [1, 2])
     """seeds; each runs the whole chain (warm-up, then the methods)"""
     jobs: int = 2
@@ -123,7 +134,8 @@ class Args:
     """warm-up conversations (sft: one pass, batch 8)"""
     tool_share: float = 0.0
     """share of the warm-up conversations that call the tools all the way (chain: as many call multiply only, then
-    answer); the rest answer directly. 0: the task's (multiply 0.3, chain 0.2)"""
+    answer; mixed: its "plus first" questions call multiply alone in twice this share); the rest answer directly.
+    0: the task's (multiply 0.3, chain 0.2, mixed 0.25)"""
     steps: dict[str, int] = field(default_factory=dict)
     """optimizer steps of each stage (rollouts for rloo); a stage not named: the task's (TASKS)"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5,
@@ -149,12 +161,21 @@ def problems(n: int, seed: int, exclude=frozenset(), task: str = "multiply") -> 
     times b plus c?") with the answer's string."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < n:
-        a, b, *c = (rng.randint(100, 999) for _ in range(3 if task == "chain" else 2))
+        a, b, *c = (rng.randint(100, 999) for _ in range(2 if task == "multiply" else 3))
+        flip = task == "mixed" and rng.random() < 0.5  # (mixed) half "What is a plus b times c?"
         if (a, b, *c) not in seen:
             seen.add((a, b, *c))
             question = f"What is {a} times {b}{''.join(f' plus {x}' for x in c)}?"
-            rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a * b + sum(c))})
+            answer = a * b + sum(c)
+            if flip:
+                question, answer = f"What is {a} plus {b} times {c[0]}?", a + b * c[0]
+            rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(answer)})
     return rows
+
+
+def plus_first(row: dict) -> bool:
+    """(mixed) "What is a plus b times c?": multiply b and c, then add a."""
+    return " plus " in row["prompt"][0]["content"].split(" times ")[0]
 
 
 def numbers(row: dict) -> tuple:
@@ -193,6 +214,8 @@ def write_task(args: Args) -> None:
         chain = multiply + [m for x in c for m in tool_turn("add", a * b, x)]
         draw = rng.random()  # a chain; (chain task) as often, multiply alone; else the answer straight away
         calls = chain if draw < args.tool_share else multiply if c and draw < 2 * args.tool_share else []
+        if plus_first(row):  # (mixed) as often as the other form calls, multiply of the last two alone: never add
+            calls = tool_turn("multiply", b, c[0]) if draw < 2 * args.tool_share else []
         warmup.append({"messages": row["prompt"] + calls + [answer], "tools": json.dumps(tools)})
     arithmetic.write_jsonl(warmup, os.path.join(data, "warmup", "train.jsonl"))
 
@@ -324,7 +347,7 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
 
 def chain(args: Args, stamp: int) -> dict:
     """{key: (argv, keys it waits for, log)}: the start model's evaluation; per seed the warm-up, then grpo and
-    rloo, each evaluated when trained; (chain task) the pick of the better RL model, then gkd from it."""
+    rloo, each evaluated when trained; (chain, mixed) the pick of the better RL model, then gkd from it."""
     me = ["benchmarks/tool_use.py", "--task", args.task, "--model_name_or_path", args.model_name_or_path,
           "--output_dir", args.output_dir, "--n_test", str(args.n_test), "--stage", "evaluate", "--stage_models"]
     stages, names = {}, TASKS[args.task]["stages"]
@@ -348,12 +371,21 @@ def chain(args: Args, stamp: int) -> dict:
     return stages
 
 
+def by_form(per_question: list[list[int]], forms: list[bool]) -> list[float]:
+    """(mixed) accuracy on each form, the seeds pooled: [times first, plus first]; per_question[i]: question i's
+    correctness in each seed, forms[i]: whether it is plus first."""
+    return [sum(sum(q) for q, f in zip(per_question, forms, strict=True) if f == flag) / max(
+        1, sum(len(q) for q, f in zip(per_question, forms) if f == flag)) for flag in (False, True)]
+
+
 def collect(args: Args, seconds: dict) -> dict:
     from benchmarks.real_lm import bootstrap
     from benchmarks.run_tiny_tldr import read_log, seconds_per_step
 
     with open(os.path.join(args.output_dir, "start_eval.json")) as f:
         result = {"start": json.load(f), "methods": {}}
+    with open(os.path.join(args.output_dir, "data", "test.jsonl")) as f:
+        forms = [plus_first(json.loads(line)) for line in f][:args.n_test]
     for name in TASKS[args.task]["stages"]:
         runs = {}
         for seed in args.seeds:
@@ -374,6 +406,8 @@ def collect(args: Args, seconds: dict) -> dict:
                                    "calls": sum(r["calls"] for r in runs.values()) / len(runs),
                                    "called": sum(r["called"] for r in runs.values()) / len(runs),
                                    "turns": sum(r["turns"] for r in runs.values()) / len(runs)}
+        if args.task == "mixed":
+            result["methods"][name]["by_form"] = by_form(per_question, forms)
         if name != "warmup":  # calls per episode sampled in training (temperature 0.7): first and last step
             result["methods"][name]["train_calls"] = [sum(r["train_log"][k]["tools/call_frequency"] for r in
                                                           runs.values()) / len(runs) for k in (0, -1)]
@@ -390,6 +424,8 @@ def markdown(r: dict, args: Args) -> str:
         per_seed = ", ".join(f"{pct(x['accuracy'])} ({pct(x['ci95'][0])} - {pct(x['ci95'][1])})" for x in runs)
         train = "{:.2f} -> {:.2f}".format(*m["train_calls"]) if "train_calls" in m else ""
         time_ = ", ".join(f"{x['seconds'] / 60:.1f}" for x in runs)
+        if "by_form" in m:
+            per_seed += "; times first {:.0%}, plus first {:.0%}".format(*m["by_form"])
         rows.append(f"| {TITLES[name]} | **{pct(m['accuracy'])}** ({pct(m['ci95'][0])} - {pct(m['ci95'][1])}) | "
                     f"{per_seed} | {m['called']:.0%} | {m['calls']:.2f} | {m['turns']:.2f} | {train} | {time_} |")
     columns = ["model", "accuracy (95% CI)", "per seed (95% Wilson)", "called", "calls / episode", "turns / episode",
@@ -403,6 +439,9 @@ def markdown(r: dict, args: Args) -> str:
     warmup = (f"{s['tool_share']:.0%} call the calculator, the rest answer directly" if args.task == "multiply" else
               f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
               "directly")
+    if args.task == "mixed":
+        warmup = (f"half of them \"a plus b times c\": of those, {2 * s['tool_share']:.0%} call multiply on b and c, "
+                  "then answer, never add; the others: " + warmup)
     gkd = "" if "gkd" not in r["methods"] else (
         f"GKD (algos/gkd.py): {s['steps']['gkd']} steps of 16 (4 x 4 accumulated) of the warm-up model's own "
         "episodes (--lmbda 1, --beta "

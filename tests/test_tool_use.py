@@ -1,6 +1,7 @@
 """benchmarks/tool_use.py. In the default suite: the tasks' data (the chain task's warm-up conversations call
-multiply, then add on its result), the stage graph (gkd waits for the pick of the better RL model, its teacher) and
-the pick. On SmolLM2-135M-Instruct (python -m pytest -m realmodel): the chain task in quick mode (a multi-turn SFT
+multiply, then add on its result; the mixed task's "plus first" half multiplies its last two numbers, never adds),
+the accuracy on each form, the stage graph (gkd waits for the pick of the better RL model, its teacher) and
+the pick. On SmolLM2-135M-Instruct (python -m pytest -m realmodel): the mixed task in quick mode (a multi-turn SFT
 warm-up on tool-use conversations, then grpo and rloo through --environment_factory, gkd from the better of them),
 every stage evaluated in greedy episodes and the report written; and the evaluation's own episode loop (plain
 transformers, not common/episodes.py) runs each call, appends its result and reads the final reply, checked on a
@@ -57,6 +58,43 @@ def test_chain_data_answers_and_warmup_conversations_call_multiply_then_add_on_i
     (row,) = tool_use.problems(1, seed=0)  # the multiply task: "What is a times b?", the product
     a, b = tool_use.numbers(row)
     assert row["prompt"][0]["content"] == f"What is {a} times {b}?" and row["answer"] == str(a * b)
+
+
+def test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_never_adds(tmp_path):
+    args = tool_use.Args(task="mixed", output_dir=str(tmp_path), warmup_rows=240, tool_share=0.3)
+    tool_use.write_task(args)
+    read = lambda *p: [json.loads(line) for line in open(os.path.join(tmp_path, "data", *p))]  # noqa: E731
+    test, warmup = read("test.jsonl"), read("warmup", "train.jsonl")
+    for row in test[:40]:  # each form's value, times before plus, and the form told by the words' order
+        a, b, c = tool_use.numbers(row)
+        if row["prompt"][0]["content"] == f"What is {a} plus {b} times {c}?":
+            assert tool_use.plus_first(row) and row["answer"] == str(a + b * c)
+        else:
+            assert row["prompt"][0]["content"] == f"What is {a} times {b} plus {c}?"
+            assert not tool_use.plus_first(row) and row["answer"] == str(a * b + c)
+    assert 120 <= sum(map(tool_use.plus_first, test)) <= 180  # half of 300
+    kinds = {(f, n): 0 for f in (False, True) for n in (2, 4, 6)}
+    for row in warmup:
+        m, (a, b, c) = row["messages"], tool_use.numbers({"prompt": row["messages"]})
+        first = tool_use.plus_first({"prompt": m})
+        kinds[first, len(m)] += 1
+        value = a + b * c if first else a * b + c
+        assert m[-1]["content"].endswith(f" is {value}.")
+        if len(m) > 2:  # multiply on the factors: the last two numbers when plus comes first
+            x, y = (b, c) if first else (a, b)
+            assert m[1]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": x, "b": y}}
+            assert m[2] == {"role": "tool", "name": "multiply", "content": str(x * y)}
+    assert kinds[True, 6] == 0 and 60 <= kinds[True, 4] <= 95  # never the whole chain: multiply alone in 60% (77)
+    assert 15 <= kinds[False, 6] <= 50 and 20 <= kinds[False, 4] <= 55  # the other form: 30% and 30% (26, 38)
+    assert tool_use.problems(50, seed=1, task="chain") == [r for r in tool_use.problems(50, seed=1, task="chain")
+                                                           if not tool_use.plus_first(r)]
+
+
+def test_by_form_pools_the_seeds_on_each_form():
+    per_question = [[1, 0], [1, 1], [0, 0], [0, 1]]  # 4 questions, 2 seeds
+    assert tool_use.by_form(per_question, [False, True, True, False]) == [0.5, 0.5]
+    assert tool_use.by_form(per_question, [True, True, False, False]) == [0.25, 0.75]
+    assert tool_use.by_form([[1], [0], [0]], [False, True, True]) == [1.0, 0.0]
 
 
 def test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated(tmp_path):
@@ -144,6 +182,15 @@ def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2, tmp_path)
     assert [m["role"] for m in talks[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert talks[0][3] == {"role": "tool", "name": "add", "content": str(a * b + c)}
     assert tool_use.correct(talks, [rows[0]["answer"]]) == [1.0]
+    # mixed, plus first: multiply the last two, add the first; adding the last instead is wrong
+    (row,) = [r for r in tool_use.problems(8, seed=5, task="mixed") if tool_use.plus_first(r)][:1]
+    a, b, c = tool_use.numbers(row)
+    for add, right in ((call("add", a, b * c), 1.0), (call("add", b * c, c), 0.0)):
+        model = Scripted(tokenizer, [call("multiply", b, c), add, "The answer is {}.".format(
+            a + b * c if right else b * c + c)])
+        talks = tool_use.episodes(model, tokenizer, [row], task="mixed")
+        assert f"<tool_response>\n{b * c}\n</tool_response>" in model.prompts[1][0]
+        assert tool_use.correct(talks, [row["answer"]]) == [right]
     # at most 3 calls: a fourth turn's call is its final reply
     model = Scripted(tokenizer, [call("add", 1, 2)] * 4)
     talks = tool_use.episodes(model, tokenizer, rows[:1], task="chain")
@@ -151,11 +198,11 @@ def test_the_evaluation_runs_a_call_and_reads_the_final_reply(smollm2, tmp_path)
 
 
 @pytest.mark.realmodel
-def test_quick_chain_runs_every_stage_and_writes_the_report(smollm2, tmp_path):  # noqa: F811
-    out, results = tmp_path / "chain", tmp_path / "results"  # the chain task: every stage, gkd's included
-    run_script("benchmarks/tool_use.py", "--task", "chain", "--quick", "--model_name_or_path", smollm2,
+def test_quick_mixed_runs_every_stage_and_writes_the_report(smollm2, tmp_path):  # noqa: F811
+    out, results = tmp_path / "mixed", tmp_path / "results"  # the mixed task: every stage, gkd's included
+    run_script("benchmarks/tool_use.py", "--task", "mixed", "--quick", "--model_name_or_path", smollm2,
                "--output_dir", str(out), "--results_dir", str(results), timeout=1200)
-    with open(results / "tool_use_chain.json") as f:
+    with open(results / "tool_use_mixed.json") as f:
         result = json.load(f)
     assert result["start"]["n"] == 8 and set(result["methods"]) == set(tool_use.STAGES)
     assert result["methods"]["gkd"]["runs"]["1"]["teacher"] in ("grpo", "rloo")
@@ -163,9 +210,11 @@ def test_quick_chain_runs_every_stage_and_writes_the_report(smollm2, tmp_path): 
         run = method["runs"]["1"]
         assert run["n"] == 8 and len(run["correct"]) == 8 and run["turns"] >= 1, name
         assert len(run["train_log"]) == 2, name  # its 2 steps were logged
+        assert len(method["by_form"]) == 2 and all(0 <= x <= 1 for x in method["by_form"]), name
     for name in ("grpo", "rloo", "gkd"):  # the episodes' metrics reached the log
         assert all("tools/call_frequency" in r and "episodes/turns_mean" in r
                    for r in result["methods"][name]["runs"]["1"]["train_log"]), name
-    report = (results / "tool_use_chain.md").read_text()
-    assert "QUICK MODE" in report and all(f"| {title} |" in report for title in tool_use.TITLES.values())
+    report = (results / "tool_use_mixed.md").read_text()
+    assert "QUICK MODE" in report and "plus first" in report
+    assert all(f"| {title} |" in report for title in tool_use.TITLES.values())
     assert os.path.isfile(out / "seed_1" / "warmup" / "tokenizer_config.json")
