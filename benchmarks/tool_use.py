@@ -4,15 +4,15 @@ multiply: "What is 347 times 812?", right when the reply's last number is the pr
 (grpo and rloo at 100% after 10 steps). chain: "What is 347 times 812 plus 509?": multiply, then add the number
 to its result, two tools called in turn, the product copied from a tool result into the next call (it saturates
 too: rloo 99.5% after 8 steps). mixed: chain's questions and, as many, "What is 509 plus 347 times 812?" (multiply
-the last two, then add the first), whose whole chain the warm-up never shows. The model cannot do any alone (0 of
+the last two, then add the first), whose chain the warm-up shows in 3% of them only. The model cannot do any alone (0 of
 the held-out questions, greedy) and, with the tools offered, never calls them: its own chat template renders no
 tools, and through configs/chatml_tools.jinja (ChatML that renders them the Hermes way) it answers from memory.
 The chain of stages, per seed, each a subprocess of the scripts as a user runs them:
 
 1. warm-up (algos/sft.py, multi-turn): --warmup_rows conversations with the tools' schemas in the `tools`
    column; in a --tool_share of them the assistant calls the tools all the way, reads each result and answers
-   (chain: in as many, it calls multiply only, then answers; mixed: the "plus first" questions call multiply on
-   the last two numbers only, in twice that share, never add); in the others it answers directly (the true value,
+   (chain, mixed: in as many, it calls multiply only, then answers; mixed: of the "plus first" questions, 3% call
+   the tools all the way, the others answer directly); in the others it answers directly (the true value,
    which it cannot learn to compute). It learns the call format, not when (or how far) to call: that is left
    for RL.
 2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (chain,
@@ -97,9 +97,9 @@ TASKS = {
                   title="a product plus a number, two tools called in turn", question="What is 347 times 812 plus 509?",
                   right="the product plus the number"),
 }
-# mixed: chain's tools and budget; half the questions "a plus b times c" (multiply b and c, then add a), whose whole
-# chain the warm-up never shows (only multiply on b and c): RL has to find the add step on that form itself
-TASKS["mixed"] = TASKS["chain"] | dict(tool_share=0.25, report="tool_use_mixed",
+# mixed: chain's tools and budget; half the questions "a plus b times c" (multiply b and c, then add a), whose chain
+# the warm-up shows in plus_first_share of them only (the other form: tool_share chains, as many multiply alone)
+TASKS["mixed"] = TASKS["chain"] | dict(tool_share=0.4, plus_first_share=0.03, report="tool_use_mixed",
                                        title="a product and a sum in either order, two tools called in turn",
                                        question='What is 347 times 812 plus 509?" or "What is 509 plus 347 times 812?',
                                        right="its value, times before plus")
@@ -121,7 +121,7 @@ class Args:
     task: str = "multiply"
     """multiply: "What is 347 times 812?", one calculator call (it saturates: 100% after 10 steps); chain: "What is
     347 times 812 plus 509?", two tools called in turn (multiply, then add the number to its result); mixed: chain's
-    questions and as many "What is 509 plus 347 times 812?", whose add step the warm-up never shows"""
+    questions and as many "What is 509 plus 347 times 812?", whose chain the warm-up shows in 3% of them only"""
     seeds: list[int] = field(default_factory=lambda: [1, 2])
     """seeds; each runs the whole chain (warm-up, then the methods)"""
     jobs: int = 2
@@ -134,8 +134,8 @@ class Args:
     """warm-up conversations (sft: one pass, batch 8)"""
     tool_share: float = 0.0
     """share of the warm-up conversations that call the tools all the way (chain: as many call multiply only, then
-    answer; mixed: its "plus first" questions call multiply alone in twice this share); the rest answer directly.
-    0: the task's (multiply 0.3, chain 0.2, mixed 0.25)"""
+    answer; mixed: of its "times first" questions only); the rest answer directly. 0: the task's (multiply 0.3,
+    chain 0.2, mixed 0.4)"""
     steps: dict[str, int] = field(default_factory=dict)
     """optimizer steps of each stage (rollouts for rloo); a stage not named: the task's (TASKS)"""
     learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5,
@@ -214,8 +214,9 @@ def write_task(args: Args) -> None:
         chain = multiply + [m for x in c for m in tool_turn("add", a * b, x)]
         draw = rng.random()  # a chain; (chain task) as often, multiply alone; else the answer straight away
         calls = chain if draw < args.tool_share else multiply if c and draw < 2 * args.tool_share else []
-        if plus_first(row):  # (mixed) as often as the other form calls, multiply of the last two alone: never add
-            calls = tool_turn("multiply", b, c[0]) if draw < 2 * args.tool_share else []
+        if plus_first(row):  # (mixed) the whole chain (multiply the last two, add the first) in a few, else answer
+            whole = tool_turn("multiply", b, c[0]) + tool_turn("add", b * c[0], a)
+            calls = whole if draw < TASKS[args.task]["plus_first_share"] else []
         warmup.append({"messages": row["prompt"] + calls + [answer], "tools": json.dumps(tools)})
     arithmetic.write_jsonl(warmup, os.path.join(data, "warmup", "train.jsonl"))
 
@@ -440,8 +441,8 @@ def markdown(r: dict, args: Args) -> str:
               f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
               "directly")
     if args.task == "mixed":
-        warmup = (f"half of them \"a plus b times c\": of those, {2 * s['tool_share']:.0%} call multiply on b and c, "
-                  "then answer, never add; the others: " + warmup)
+        warmup = (f"half of them \"a plus b times c\": of those, {task['plus_first_share']:.0%} call multiply on b "
+                  "and c then add a, the rest answer directly; of the others " + warmup)
     gkd = "" if "gkd" not in r["methods"] else (
         f"GKD (algos/gkd.py): {s['steps']['gkd']} steps of 16 (4 x 4 accumulated) of the warm-up model's own "
         "episodes (--lmbda 1, --beta "

@@ -646,19 +646,22 @@ MUTATIONS = [
      "tool_use benchmark: the chain task's warm-up conversations cut before their final answer",
      [TOOL_USE + "test_the_evaluation_runs_a_call_and_reads_the_final_reply"]),
     # 177-: the agent benchmark's mixed task
-    ("benchmarks/tool_use.py", 'calls = tool_turn("multiply", b, c[0])', 'calls = tool_turn("multiply", a, b)',
+    ("benchmarks/tool_use.py", 'whole = tool_turn("multiply", b, c[0])', 'whole = tool_turn("multiply", a, b)',
      "tool_use benchmark: the plus-first warm-up multiplies the first two numbers",
-     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_never_adds"]),
+     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two"]),
     ("benchmarks/tool_use.py", 'f"What is {a} plus {b} times {c[0]}?", a + b * c[0]',
      'f"What is {a} plus {b} times {c[0]}?", (a + b) * c[0]',
      "tool_use benchmark: plus-first questions answered left to right, plus before times",
-     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_never_adds"]),
-    ("benchmarks/tool_use.py", 'b, c[0]) if draw < 2 * args.tool_share', 'b, c[0]) if draw < args.tool_share',
-     "tool_use benchmark: the plus-first warm-up calls multiply half as often as the other form calls",
-     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_never_adds"]),
+     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two"]),
+    ("benchmarks/tool_use.py", 'draw < TASKS[args.task]["plus_first_share"]', "draw < args.tool_share",
+     "tool_use benchmark: the plus-first warm-up chains as often as the other form",
+     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two"]),
     ("benchmarks/tool_use.py", "if f == flag) / max(", "if f != flag) / max(",
      "tool_use benchmark: each form's accuracy counted on the other form's questions",
      [TOOL_USE + "test_by_form_pools_the_seeds_on_each_form"]),
+    ("benchmarks/tool_use.py", 'tool_turn("add", b * c[0], a)', 'tool_turn("add", b * c[0], c[0])',
+     "tool_use benchmark: the plus-first warm-up adds the last number, not the first",
+     [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two"]),
 ]
 
 

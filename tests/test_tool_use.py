@@ -1,11 +1,11 @@
 """benchmarks/tool_use.py. In the default suite: the tasks' data (the chain task's warm-up conversations call
-multiply, then add on its result; the mixed task's "plus first" half multiplies its last two numbers, never adds),
-the accuracy on each form, the stage graph (gkd waits for the pick of the better RL model, its teacher) and
-the pick. On SmolLM2-135M-Instruct (python -m pytest -m realmodel): the mixed task in quick mode (a multi-turn SFT
-warm-up on tool-use conversations, then grpo and rloo through --environment_factory, gkd from the better of them),
-every stage evaluated in greedy episodes and the report written; and the evaluation's own episode loop (plain
-transformers, not common/episodes.py) runs each call, appends its result and reads the final reply, checked on a
-stand-in model whose replies are fixed."""
+multiply, then add on its result; the mixed task's "plus first" half calls the tools in 3% only, multiplying its
+last two numbers), the accuracy on each form, the stage graph (gkd waits for the pick of the better RL model, its
+teacher) and the pick. On SmolLM2-135M-Instruct (python -m pytest -m realmodel): the mixed task in quick mode
+(a multi-turn SFT warm-up on tool-use conversations, then grpo and rloo through --environment_factory, gkd from the
+better of them), every stage evaluated in greedy episodes and the report written; and the evaluation's own episode
+loop (plain transformers, not common/episodes.py) runs each call, appends its result and reads the final reply,
+checked on a stand-in model whose replies are fixed."""
 
 import json
 import os
@@ -60,7 +60,7 @@ def test_chain_data_answers_and_warmup_conversations_call_multiply_then_add_on_i
     assert row["prompt"][0]["content"] == f"What is {a} times {b}?" and row["answer"] == str(a * b)
 
 
-def test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_never_adds(tmp_path):
+def test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two(tmp_path):
     args = tool_use.Args(task="mixed", output_dir=str(tmp_path), warmup_rows=240, tool_share=0.3)
     tool_use.write_task(args)
     read = lambda *p: [json.loads(line) for line in open(os.path.join(tmp_path, "data", *p))]  # noqa: E731
@@ -80,11 +80,14 @@ def test_mixed_data_half_plus_first_whose_warmup_multiplies_the_last_two_and_nev
         kinds[first, len(m)] += 1
         value = a + b * c if first else a * b + c
         assert m[-1]["content"].endswith(f" is {value}.")
-        if len(m) > 2:  # multiply on the factors: the last two numbers when plus comes first
-            x, y = (b, c) if first else (a, b)
+        if len(m) > 2:  # multiply on the factors (the last two numbers when plus comes first), add the other
+            x, y, z = (b, c, a) if first else (a, b, c)
             assert m[1]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": x, "b": y}}
             assert m[2] == {"role": "tool", "name": "multiply", "content": str(x * y)}
-    assert kinds[True, 6] == 0 and 60 <= kinds[True, 4] <= 95  # never the whole chain: multiply alone in 60% (77)
+        if len(m) > 4:
+            assert m[3]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": x * y, "b": z}}
+            assert m[4] == {"role": "tool", "name": "add", "content": str(value)}
+    assert kinds[True, 4] == 0 and 1 <= kinds[True, 6] <= 12  # the whole chain in 3%, never multiply alone
     assert 15 <= kinds[False, 6] <= 50 and 20 <= kinds[False, 4] <= 55  # the other form: 30% and 30% (26, 38)
     assert tool_use.problems(50, seed=1, task="chain") == [r for r in tool_use.problems(50, seed=1, task="chain")
                                                            if not tool_use.plus_first(r)]
