@@ -158,7 +158,7 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 def problems(n: int, seed: int, exclude=frozenset(), task: str = "multiply") -> list[dict]:
     """n questions of 3-digit numbers, none of `exclude` (their numbers): "What is a times b?" (chain: "What is a
-    times b plus c?") with the answer's string."""
+    times b plus c?"; mixed: half of them "What is a plus b times c?") with the answer's string."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < n:
         a, b, *c = (rng.randint(100, 999) for _ in range(2 if task == "multiply" else 3))
