@@ -17,9 +17,11 @@ The chain of stages, per seed, each a subprocess of the scripts as a user runs t
    for RL.
 2. grpo and rloo from the warm-up model, through `--environment_factory benchmarks.tool_use:Calculator` (chain,
    mixed: `ChainCalculator`; one per episode, its public methods the tools) and the exact reward
-   `benchmarks.tool_use:correct` (the final reply's last number).
+   `benchmarks.tool_use:correct` (the final reply's last number); 16 episodes a step, rloo's 4 prompts x 4,
+   grpo's 2 x 8 (mixed: 4 x 4).
 3. (chain, mixed) gkd: the warm-up model distilled on its own episodes (--lmbda 1, reverse KL) from the better
-   of its seed's grpo and rloo models (held-out accuracy: the `pick` stage links it as <seed dir>/best_rl).
+   of its seed's grpo and rloo models (held-out accuracy: the `pick` stage links it as <seed dir>/best_rl);
+   mixed: 20 steps at 3e-5 (chain: 8 at 2e-5).
 4. evaluate: greedy episodes on --n_test held-out questions with plain transformers (its own loop, not
    common/episodes.py: each turn re-renders the conversation through the chat template; each call is run, its
    result appended, at most 2 calls, chain and mixed 3): accuracy (95% Wilson interval per seed; the seeds pooled
@@ -98,8 +100,12 @@ TASKS = {
                   right="the product plus the number"),
 }
 # mixed: chain's tools and budget; half the questions "a plus b times c" (multiply b and c, then add a), whose chain
-# the warm-up shows in plus_first_share of them only (the other form: tool_share chains, as many multiply alone)
-TASKS["mixed"] = TASKS["chain"] | dict(tool_share=0.4, plus_first_share=0.03, report="tool_use_mixed",
+# the warm-up shows in plus_first_share of them only (the other form: tool_share chains, as many multiply alone);
+# grpo in groups of 4 (4 prompts a step, as rloo: in groups of 8, one seed's groups all went wrong from step 4),
+# gkd 20 steps at 3e-5 (8 at 2e-5 and 12 at 5e-5 did not move it in both seeds: docs/multi_turn.md)
+TASKS["mixed"] = TASKS["chain"] | dict(tool_share=0.4, plus_first_share=0.03, report="tool_use_mixed", group=4,
+                                       steps={"warmup": 40, "grpo": 8, "rloo": 8, "gkd": 20},
+                                       learning_rates={"gkd": 3e-5},
                                        title="a product and a sum in either order, two tools called in turn",
                                        question='What is 347 times 812 plus 509?" or "What is 509 plus 347 times 812?',
                                        right="its value, times before plus")
@@ -138,9 +144,8 @@ class Args:
     chain 0.2, mixed 0.4)"""
     steps: dict[str, int] = field(default_factory=dict)
     """optimizer steps of each stage (rollouts for rloo); a stage not named: the task's (TASKS)"""
-    learning_rates: dict[str, float] = field(default_factory=lambda: {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5,
-                                                                      "gkd": 2e-5})
-    """peak learning rates"""
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    """peak learning rate of each stage; a stage not named: the task's (mixed: gkd 3e-5), else warm-up 5e-5, 2e-5"""
     n_test: int = 100
     """held-out questions evaluated"""
     max_completion_length: int = 0
@@ -340,7 +345,7 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
         return ["algos/gkd.py", *episodes, *micro, "--teacher_model_name_or_path", os.path.join(run_dir, "best_rl"),
                 "--max_new_tokens", str(args.max_completion_length), "--max_length",
                 str(384 + args.max_completion_length), "--eval_steps", str(args.steps[name]), *common]
-    group = ["--num_generations", str(min(8, completions))] if name == "grpo" else [
+    group = ["--num_generations", str(min(task.get("group", 8), completions))] if name == "grpo" else [
         "--rloo_k", "4", "--num_ppo_epochs", "1"]
     return [f"algos/{name}.py", *episodes, "--reward_model_paths", "--reward_funcs", "benchmarks.tool_use:correct",
             *group, "--max_prompt_length", "384", "--max_completion_length", str(args.max_completion_length), *common]
@@ -434,9 +439,9 @@ def markdown(r: dict, args: Args) -> str:
     header = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
     quick = "\n**QUICK MODE: 2 steps a stage; the numbers mean nothing.**\n" if args.quick else ""
     s, task = r["settings"], TASKS[args.task]
-    runs = (f" ({r['runs']} runs: interrupted, then --resume; each counted up to its last finished stage)"
-            if r.get("runs", 1) > 1 else "")
-    env, calls = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"]
+    runs = (f", over {r['runs']} runs (each later one with --resume: the stages whose command line had not changed "
+            "kept, the others run again)" if r.get("runs", 1) > 1 else "")
+    env, calls, g = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"], task.get("group", 8)
     warmup = (f"{s['tool_share']:.0%} call the calculator, the rest answer directly" if args.task == "multiply" else
               f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
               "directly")
@@ -466,22 +471,30 @@ thread each).
 
 Warm-up: algos/sft.py on {s['warmup_rows']} conversations ({warmup}), {s['steps']['warmup']} steps of 8, lr
 {s['learning_rates']['warmup']}, `--chat_template_path configs/chatml_tools.jinja`. GRPO: {s['steps']['grpo']} steps
-of 2 prompts x 8 episodes; RLOO: {s['steps']['rloo']} rollouts of 4 prompts x 4, one pass; both at temperature 0.7,
-lr {s['learning_rates']['grpo']} / {s['learning_rates']['rloo']}, `--environment_factory {env}
+of {16 // g} prompts x {g} episodes; RLOO: {s['steps']['rloo']} rollouts of 4 prompts x 4, one pass; both at
+temperature 0.7, lr {s['learning_rates']['grpo']} / {s['learning_rates']['rloo']}, `--environment_factory {env}
 --max_tool_calling_iterations {calls} --max_completion_length {s['max_completion_length']}`, reward
 `benchmarks.tool_use:correct`, the scripts' other defaults.
 {gkd}"""
 
 
-def main(args: Args):
+def settle(args: Args) -> dict:
+    """Fills the fields left to the task (TASKS) in `args`, the quick mode's too; returns the task."""
     if args.task not in TASKS:
         sys.exit(f"error: --task is one of {', '.join(TASKS)} (got {args.task!r})")
     task = TASKS[args.task]
     args.steps = task["steps"] | args.steps
+    args.learning_rates = {"warmup": 5e-5, "grpo": 2e-5, "rloo": 2e-5, "gkd": 2e-5} | task.get(
+        "learning_rates", {}) | args.learning_rates
     args.tool_share = args.tool_share or task["tool_share"]
     args.max_completion_length = args.max_completion_length or task["max_completion_length"]
     if args.quick:
         args.steps, args.n_test, args.seeds = {k: 2 for k in args.steps}, 8, args.seeds[:1]
+    return task
+
+
+def main(args: Args):
+    task = settle(args)
     if not args.model_name_or_path:
         from benchmarks import smollm2
 

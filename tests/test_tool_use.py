@@ -102,7 +102,7 @@ def test_by_form_pools_the_seeds_on_each_form():
 
 def test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated(tmp_path):
     args = tool_use.Args(task="chain", output_dir=str(tmp_path), model_name_or_path="m", seeds=[3])
-    args.steps, args.max_completion_length = tool_use.TASKS["chain"]["steps"], 192
+    tool_use.settle(args)
     stages = tool_use.chain(args, stamp=0)
     seed_dir = os.path.join(str(tmp_path), "seed_3")
     argv, needs, _ = stages[3, "gkd"]
@@ -119,11 +119,22 @@ def test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_
     assert stages[3, "gkd", "eval"][1] == [(3, "gkd")]
     for name in ("grpo", "rloo"):
         assert stages[3, name][1] == [(3, "warmup")] and flag(stages[3, name][0], "--max_completion_length") == "192"
+    assert flag(stages[3, "grpo"][0], "--num_generations") == "8" and flag(argv, "--learning_rate") == "2e-05"
     args = tool_use.Args(output_dir=str(tmp_path), model_name_or_path="m", seeds=[3])  # multiply: no gkd, no pick
-    args.steps, args.max_completion_length = tool_use.TASKS["multiply"]["steps"], 96
+    tool_use.settle(args)
     stages = tool_use.chain(args, stamp=0)
     assert {k[1] for k in stages if k != "start"} == {"warmup", "grpo", "rloo"}
     assert flag(stages[3, "grpo"][0], "--environment_factory") == "benchmarks.tool_use:Calculator"
+    assert flag(stages[3, "grpo"][0], "--max_completion_length") == "96"
+    # mixed: grpo in groups of 4, gkd 20 steps at 3e-5 unless the command line says otherwise
+    for given, lr in (({}, "3e-05"), ({"gkd": 4e-5}, "4e-05")):
+        args = tool_use.Args(task="mixed", output_dir=str(tmp_path), model_name_or_path="m", seeds=[3],
+                             learning_rates=given)
+        tool_use.settle(args)
+        stages = tool_use.chain(args, stamp=0)
+        assert flag(stages[3, "grpo"][0], "--num_generations") == "4"
+        assert flag(stages[3, "grpo"][0], "--learning_rate") == flag(stages[3, "rloo"][0], "--learning_rate") == "2e-05"
+        assert flag(stages[3, "gkd"][0], "--learning_rate") == lr and flag(stages[3, "gkd"][0], "--max_steps") == "20"
 
 
 def test_pick_links_the_rl_model_of_higher_held_out_accuracy_and_the_first_when_tied(tmp_path):
