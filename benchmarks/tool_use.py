@@ -86,14 +86,15 @@ class ChainCalculator(Calculator):
         return a + b
 
 
-# per task: the environment, its stages, the most calls an episode may make, the defaults of Args' task fields
+# per task: the environment, its stages, the most calls an episode may make, grpo's group size (16 episodes a step),
+# the defaults of Args' task fields
 TASKS = {
-    "multiply": dict(env=Calculator, stages=STAGES[:3], max_calls=2, tool_share=0.3, max_completion_length=96,
+    "multiply": dict(env=Calculator, stages=STAGES[:3], max_calls=2, tool_share=0.3, max_completion_length=96, group=8,
                      warmup_max_length=384,
                      steps={"warmup": 40, "grpo": 10, "rloo": 10}, report="tool_use",
                      title="3-digit multiplication, a calculator", question="What is 347 times 812?",
                      right="the product"),
-    "chain": dict(env=ChainCalculator, stages=STAGES, max_calls=3, tool_share=0.2, max_completion_length=192,
+    "chain": dict(env=ChainCalculator, stages=STAGES, max_calls=3, tool_share=0.2, max_completion_length=192, group=8,
                   warmup_max_length=512,  # a whole chain conversation is 423 tokens: 384 would cut its answer
                   steps={"warmup": 40, "grpo": 8, "rloo": 8, "gkd": 8}, report="tool_use_chain",
                   title="a product plus a number, two tools called in turn", question="What is 347 times 812 plus 509?",
@@ -345,7 +346,7 @@ def stage_argv(name: str, seed: int, args: Args, stamp: int) -> list[str]:
         return ["algos/gkd.py", *episodes, *micro, "--teacher_model_name_or_path", os.path.join(run_dir, "best_rl"),
                 "--max_new_tokens", str(args.max_completion_length), "--max_length",
                 str(384 + args.max_completion_length), "--eval_steps", str(args.steps[name]), *common]
-    group = ["--num_generations", str(min(task.get("group", 8), completions))] if name == "grpo" else [
+    group = ["--num_generations", str(min(task["group"], completions))] if name == "grpo" else [
         "--rloo_k", "4", "--num_ppo_epochs", "1"]
     return [f"algos/{name}.py", *episodes, "--reward_model_paths", "--reward_funcs", "benchmarks.tool_use:correct",
             *group, "--max_prompt_length", "384", "--max_completion_length", str(args.max_completion_length), *common]
@@ -441,7 +442,7 @@ def markdown(r: dict, args: Args) -> str:
     s, task = r["settings"], TASKS[args.task]
     runs = (f", over {r['runs']} runs (each later one with --resume: the stages whose command line had not changed "
             "kept, the others run again)" if r.get("runs", 1) > 1 else "")
-    env, calls, g = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"], task.get("group", 8)
+    env, calls, g = f"benchmarks.tool_use:{task['env'].__name__}", task["max_calls"], task["group"]
     warmup = (f"{s['tool_share']:.0%} call the calculator, the rest answer directly" if args.task == "multiply" else
               f"{s['tool_share']:.0%} call multiply then add, {s['tool_share']:.0%} multiply only, the rest answer "
               "directly")

@@ -662,7 +662,7 @@ MUTATIONS = [
     ("benchmarks/tool_use.py", 'tool_turn("add", b * c[0], a)', 'tool_turn("add", b * c[0], c[0])',
      "tool_use benchmark: the plus-first warm-up adds the last number, not the first",
      [TOOL_USE + "test_mixed_data_half_plus_first_whose_warmup_chains_in_a_few_multiplying_the_last_two"]),
-    ("benchmarks/tool_use.py", 'str(min(task.get("group", 8), completions))', "str(min(8, completions))",
+    ("benchmarks/tool_use.py", 'str(min(task["group"], completions))', "str(min(8, completions))",
      "tool_use benchmark: the mixed task's grpo in groups of 8, not its 4",
      [TOOL_USE + "test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated"]),
     ("benchmarks/tool_use.py", '"learning_rates", {}) | args.learning_rates', '"learning_rates", {})',
