@@ -100,9 +100,11 @@ class Args:
     reward_model_paths: list[str] | None = None
     """reward models (one-output classifiers; default output/reward without --reward_funcs)"""
     reward_funcs: list[str] = field(default_factory=list)
-    """reward functions `module:function`, called as TRL calls them (None or NaN: unscored; common/rewards.py)"""
+    """reward functions `module:function`, called as TRL does (None or NaN: unscored)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    reward_timeout: float = 600
+    """seconds a reward function may take on a batch, else the run ends, naming it (0: no limit)"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -130,13 +132,13 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     seed: int = 1
-    """seed of the run (each completion is sampled with a seed of its own)"""
+    """seed of the run (each completion gets a seed of its own)"""
 
     # output and samples
     output_dir: str = "output/grpo"
     """where the model, tokenizer and logs/<run_name>.jsonl are written"""
     eval_steps: int = 50
-    """print a table of sampled completions with their rewards every this many steps"""
+    """print sampled completions and their rewards every this many steps"""
     num_sample_generations: int = 4
     """completions shown in the samples table every eval_steps"""
 
@@ -184,7 +186,7 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 def informative_first(pool: list[dict], num_generations: int, size: int, max_rounds: int) -> dict | None:
     """DAPO dynamic sampling over the generation batches drawn (dicts of gathered tensors): None while fewer than
     `size` rows are of informative groups and fewer than max_rounds batches are drawn; then the first `size` rows,
-    informative groups first (in the order drawn)."""
+    informative groups first."""
     keep = [informative_groups(b["rewards"], num_generations).repeat_interleave(num_generations) for b in pool]
     if sum(int(m.sum()) for m in keep) < size and len(pool) < max_rounds:
         return None
@@ -328,7 +330,7 @@ def main(args: Args):
 
     step, episode = resumed.get("step", 0), resumed.get("episode", 0)  # episode: completions taken
     start_time, start_episode = time.time(), episode
-    # endless: this rank's share of each global batch (each prompt G times), resumable
+    # endless, resumable: this rank's share of each global batch (each prompt G times)
     prompts_iter = prompt_batches(len(rows), n_prompts, args.num_generations, seed=args.seed, rank=rank,
                                   local_size=local_size,
                                   skip=resumed.get("requested", episode) // args.generation_batch_size)
@@ -340,7 +342,7 @@ def main(args: Args):
                                tokenizer=tokenizer, sampler=sampler, generate=generate, **sampling,
                                batch_size=args.generation_batch_size, logps=functools.partial(rollout_logps, **batched))
 
-    # a rollout resumed mid-way (the checkpoint holds it)
+    # a rollout resumed mid-way
     rollout = Rollout(**resumed["rollout"]) if resumed.get("rollout") else None
     while step < args.max_steps:
         if stream and rollout is None:
@@ -348,7 +350,7 @@ def main(args: Args):
         pool = []  # dynamic sampling's generation batches, gathered
         while rollout is None:
             # ---- ROLLOUT: num_generations completions per prompt from the current policy ----
-            if stream is None:  # one turn with HF generate, a seed per completion from its place in the run
+            if stream is None:  # one turn, HF generate, a seed per completion from its place in the run
                 indices = next(prompts_iter)
                 seeds = [args.seed * 10**9 + episode + rank * local_size + j for j in range(local_size)]
                 with unwrapped_for_generation(accelerator, model, args.model.ds3_gather_for_generation) as policy:
@@ -367,7 +369,7 @@ def main(args: Args):
             rewards, per_source = compute_rewards(
                 sources, weights, prompts=prompts, completions=completions,
                 columns=columns, completion_ids=[c[m.bool()].tolist() for c, m in zip(c_ids, samples.completion_mask)],
-                scores=scores_of, call=extras and extras.caller(step, episode))
+                scores=scores_of, call=extras and extras.caller(step, episode), timeout=args.reward_timeout)
             episode += args.generation_batch_size
             rewards = rewards.to(accelerator.device)
             if args.missing_eos_penalty is not None:
@@ -430,7 +432,7 @@ def main(args: Args):
                                                         for p, t, x, e in zip(prompts, texts, rewards.tolist(), shown)])
 
         # ---- UPDATE: one optimizer step on the rollout (num_iterations per rollout) ----
-        r, stats, corrections = rollout, defaultdict(float), []  # stats: sums over micro-batches
+        r, stats, corrections = rollout, defaultdict(float), []  # stats: sums
         # dapo: the global batch's tokens, per micro-batch (backward() and DDP average over them)
         tokens = accelerator.reduce(r.loss_mask.sum(), "sum").clamp(min=1)
         num_items = tokens / (args.gradient_accumulation_steps * args.world_size)
@@ -441,7 +443,7 @@ def main(args: Args):
                 old = logps.detach() if r.old_logps is None else r.old_logps[s]  # mu == 1: ratio 1
                 ref_logps = None if r.ref_logps is None else r.ref_logps[s]
                 mask = r.loss_mask[s]
-                is_weights = 1.0  # sampler correction: vLLM's pi differs slightly from the trainer's
+                is_weights = 1.0  # sampler correction: vLLM's pi is not quite the trainer's
                 if r.sampler_logps is not None and corrected:
                     is_weights, is_stats = importance_weights(old, r.sampler_logps[s], r.completion_mask[s],
                                                               **corrected)
@@ -473,7 +475,7 @@ def main(args: Args):
         metrics = reduce_stats(accelerator, stats, args.gradient_accumulation_steps) | r.metrics | {
             "grad_norm": float("nan" if grad_norm is None else grad_norm), "lr": scheduler.get_last_lr()[0],
             "episode": episode, "eps": (episode - start_episode) / (time.time() - start_time)}
-        if stream:  # vllm/push_seconds; K >= 1: async/*
+        if stream:  # vllm/*, async/*
             metrics.update(stream.metrics())
         if corrections:
             metrics.update(importance_metrics(accelerator, corrections))
@@ -482,7 +484,7 @@ def main(args: Args):
         tracker.log(metrics, step)
         if step % args.num_iterations == 0:  # the next step samples a new rollout
             rollout = None
-        # every --save_steps, and on SIGTERM / Ctrl-C / non-finite values
+        # every --save_steps; on SIGTERM / Ctrl-C / non-finite values
         checkpointer.end_of_step(step, lambda: {"episode": episode, "rollout": rollout and vars(rollout),
                                                 **(stream.state() if stream else {})})
 

@@ -39,7 +39,7 @@ from common.models import ModelArgs, adapt, hint_learning_rate, load_policy, loa
 from common.packing import PackingArgs, packed_completion_logps, packed_scores  # --padding_free
 from common.resume import resume  # --resume_from_checkpoint
 from common.reward_extras import RewardExtras  # a reward function asking for TRL's extras, or async
-from common.rewards import (asks_for_extras, compute_rewards, import_function, last_token_scores,
+from common.rewards import (asks_for_extras, called, compute_rewards, import_function, last_token_scores,
                             load_reward_sources)
 from common.runtime import (UserError, check_flags, exit_on_user_error, flags, lr_scheduler,
                             setup, stop_on_signal)
@@ -75,6 +75,8 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    reward_timeout: float = 600
+    """seconds a reward function (or the judge) may take on a batch, else the run ends, naming it (0: no limit)"""
     judge: str | None = None
     """pairwise judge `module:function(prompts, completion_pairs) -> list[int]` (index of the better
     completion); replaces the rewards"""
@@ -142,16 +144,14 @@ def select_chosen(scores: torch.Tensor) -> torch.Tensor:
     return (scores[:, 1] > scores[:, 0]).long()
 
 
-def import_judge(spec: str):
+def import_judge(spec: str, timeout: float = 0):
     """The pairwise judge `module:function(prompts, completion_pairs) -> list[int]`, wrapped so that
-    whatever it does wrong (raises, returns the wrong length or other than 0 / 1) is one line."""
+    whatever it does wrong (raises, hangs past `timeout` seconds, returns the wrong length or other than 0 / 1) is
+    one line."""
     judge = import_function(spec, "judge")
 
     def checked(prompts, completion_pairs):
-        try:
-            picks = judge(prompts, completion_pairs)
-        except Exception as e:  # a user's function: say which one failed, in one line
-            raise UserError(f"judge '{spec}' raised {type(e).__name__}: {e}") from None
+        picks = called(spec, judge, {}, timeout, (prompts, completion_pairs), "judge")
         if (not isinstance(picks, (list, tuple)) or len(picks) != len(completion_pairs)
                 or any(p not in (0, 1) for p in picks)):
             raise UserError(f"judge '{spec}' returned {str(picks)[:60]!r}; it must return 0 or 1 (the index of the "
@@ -246,7 +246,7 @@ def main(args: Args):
         ref_model = prepare_frozen(accelerator, load_policy(args.model_name_or_path, tokenizer, args.model.torch_dtype))
     judge = extras = None
     if args.judge:
-        judge = import_judge(args.judge)
+        judge = import_judge(args.judge, args.reward_timeout)
     else:
         sources, weights = load_reward_sources(args.reward_model_paths, args.reward_funcs, args.reward_weights,
                                                accelerator)
@@ -318,6 +318,7 @@ def main(args: Args):
                 scores, per_source = compute_rewards(
                     sources, weights, prompts=prompts, completions=completions, columns=columns,
                     completion_ids=completion_ids, call=extras and extras.caller(step - 1, episode),
+                    timeout=args.reward_timeout,
                     scores=packed_scores if args.packing.padding_free else last_token_scores)
                 scores = scores.to(accelerator.device)
                 for name, values in per_source.items():  # each source's scores of the step, logged as one mean

@@ -91,6 +91,8 @@ class Args:
     """extra reward functions `module:function` called as TRL does (None or NaN: not scored; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, the reward model first (default all 1; 0: logged, not optimised)"""
+    reward_timeout: float = 600
+    """seconds a reward function may take on a batch, else the run ends, naming it (0: no limit)"""
     disable_dropout: bool = True
     """no dropout in the policy and value model (LoRA's included): old logprobs, reference logprobs and values are
     then exact, and the first pass's ratio is 1 (as TRL)"""
@@ -388,6 +390,7 @@ def main(args: Args):
         scores, per_source = compute_rewards(sources, weights, prompts=batch_prompts, completions=completions,
                                              columns=columns, completion_ids=completion_ids,
                                              call=extras and extras.caller(step - 1, episode - args.rollout_batch_size),
+                                             timeout=args.reward_timeout,
                                              scores=packed_scores if args.packing.padding_free else last_token_scores)
         scores = scores.to(accelerator.device)
         if args.penalty_reward_value is not None:

@@ -105,6 +105,8 @@ class Args:
     """reward functions `module:function`, called as TRL does (None or NaN: not scored by it; common/rewards.py)"""
     reward_weights: list[float] | None = None
     """weight of each reward, models first (default all 1; 0: logged as rewards/<name>/mean, not optimised)"""
+    reward_timeout: float = 600
+    """seconds a reward function may take on a batch, else the run ends, naming it (0: no limit)"""
     chat_template_path: str | None = None
     """a Jinja file or tokenizer whose chat template replaces the policy's (e.g. configs/chatml_tools.jinja)"""
 
@@ -322,7 +324,7 @@ def main(args: Args):
         scores, per_source = compute_rewards(
             sources, weights, prompts=prompts, completions=completions, columns=columns, scores=scores_of,
             completion_ids=[ids[m.bool()].tolist() for ids, m in zip(c_ids, samples.completion_mask)],
-            call=extras and extras.caller(step - 1, episode))
+            call=extras and extras.caller(step - 1, episode), timeout=args.reward_timeout)
         # counted after scoring: trainer_state.epoch is the batches done before this one
         episode += args.rollout_batch_size
         scores = scores.to(accelerator.device)

@@ -73,8 +73,7 @@ class Checkpointer:
         self.engine = accelerator.deepspeed_engine_wrapped.engine if accelerator.state.deepspeed_plugin else None
         if self.engine is not None and skip_nonfinite_steps:
             raise UserError("--skip_nonfinite_steps cannot be used with DeepSpeed, whose engine applies each update "
-                            "inside backward (it skips overflowing gradients itself); without the flag a non-finite "
-                            "loss is caught before backward, and the run saves the last good weights and stops")
+                            "inside backward; without it a non-finite loss stops the run before backward")
         if not self.resume_from and accelerator.is_local_main_process:  # each machine may hold another run's
             shutil.rmtree(self.root, ignore_errors=True)  # (check_output_dir asked for --overwrite_output_dir)
         accelerator.wait_for_everyone()  # on a shared file system: before any process writes the first one

@@ -11,6 +11,7 @@ is *standard* (strings) or *conversational* (lists of {"role", "content"} messag
 
 import os
 import random
+import re
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
@@ -127,8 +128,7 @@ def check_text_fields(dataset: Dataset, columns: list[str], where: str):
             kinds.setdefault(kind, column)
     if len(kinds) > 1:
         raise UserError(f"{where} mixes strings (column '{kinds['string']}') with lists of messages (column "
-                        f"'{kinds['messages']}'); make every text column standard (strings) or every one "
-                        "conversational (messages)")
+                        f"'{kinds['messages']}'); make every text column strings, or every one messages")
 
 
 def prompt_text(tokenizer, prompt, tools: list | None = None) -> str:
@@ -170,11 +170,10 @@ def split_implicit_prompt(chosen, rejected):
         while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
             n += 1
         return chosen[:n], chosen[n:], rejected[n:]
-    n = len(os.path.commonprefix([chosen, rejected]))
-    while n > 0 and not chosen[n - 1].isspace():
-        n -= 1  # back to the start of the word where they part (or where the shorter one ends)
-    while n > 0 and chosen[n - 1].isspace():
-        n -= 1  # the completion keeps its leading space, as in "Assistant: Sure"
+    shared = os.path.commonprefix([chosen, rejected])
+    # back to the start of the word where they part (or where the shorter one ends), and over the whitespace before
+    # it: the completion keeps its leading space, as in "Assistant: Sure"
+    n = len(re.sub(r"\s*\S*\Z", "", shared))
     return chosen[:n], chosen[n:], rejected[n:]
 
 

@@ -94,13 +94,11 @@ def load_reward_model(name_or_path: str, tokenizer, dtype: str = "auto", new_hea
     classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if classifier and config.num_labels != 1:
         raise UserError(f"the {role} '{name_or_path}' is a sequence classifier with {config.num_labels} labels, but a "
-                        "reward model has one output (its logit is the reward); use a one-label classifier such as "
-                        "reward.py saves, or start reward.py from a causal LM (it adds a one-output head)")
+                        "reward model has one output (its logit is the reward), as reward.py saves")
     if not classifier and not new_head:
         architectures = ", ".join(config.architectures or ["no architecture"])
         raise UserError(f"the {role} '{name_or_path}' is not a reward model ({architectures}, not a sequence "
-                        "classifier): its score head would be random; train one with reward.py, or pass a reward "
-                        "function with --reward_funcs")
+                        "classifier): its score head would be random; train one with reward.py, or use --reward_funcs")
     return _load_model(AutoModelForSequenceClassification, name_or_path, tokenizer, dtype, role, num_labels=1)
 
 

@@ -33,10 +33,11 @@ class RewardExtras:
     """Made where common.rewards.asks_for_extras(--reward_funcs); its `caller` is compute_rewards' `call`."""
 
     def __init__(self, accelerator, args, epoch_size: int, table: bool = True):
-        """args: the script's (max_steps; grpo's dynamic_sampling); epoch_size: completions in a pass over the
-        prompts (their whole batches: a pass's leftover prompts are dropped); table: log_extra's columns go to the
-        samples table (not where its rows are not the batch scored last: grpo's --dynamic_sampling reorders them)."""
+        """args: the script's (max_steps, reward_timeout; grpo's dynamic_sampling); epoch_size: completions in a pass
+        over the prompts (their whole batches: a pass's leftover prompts are dropped); table: log_extra's columns go to
+        the samples table (not where its rows are not the batch scored last: grpo's --dynamic_sampling reorders it)."""
         self.accelerator, self.max_steps, self.epoch_size = accelerator, args.max_steps, epoch_size
+        self.timeout = args.reward_timeout  # for each function, and for the async ones awaited together
         self.table, self.loop = table and not getattr(args, "dynamic_sampling", False), asyncio.new_event_loop()
         self.metrics, self.columns = defaultdict(list), {}  # log_metric's since the last flush; log_extra's
 
@@ -49,11 +50,15 @@ class RewardExtras:
         extras = dict(trainer_state=state, log_metric=self.log_metric, log_extra=self.log_extra)
 
         def call(sources: list, kwargs: dict) -> dict:  # the functions of sources (no tokenizer: not a model)
-            returned = {name: called(name, fn, kwargs | {k: v for k, v in extras.items() if takes(fn, k)})
-                        for name, fn, tokenizer in sources if tokenizer is None}
+            returned = {}
+            for name, fn, tokenizer in sources:
+                if tokenizer is None:  # not a model
+                    asked = {k: v for k, v in extras.items() if takes(fn, k)}
+                    returned[name] = called(name, fn, kwargs | asked, self.timeout)
             pending = [name for name, values in returned.items() if inspect.isawaitable(values)]
-            if pending:
-                done = self.loop.run_until_complete(together(*(returned[name] for name in pending)))
+            if pending:  # awaited together, within the same time limit as one function
+                done = called(", ".join(pending), self.loop.run_until_complete, {}, self.timeout,
+                              (together(*(returned[name] for name in pending)),), "the async reward functions")
                 for name, values in zip(pending, done):
                     if isinstance(values, BaseException):  # as common.rewards.called says it
                         raise UserError(f"reward function '{name}' raised {type(values).__name__}: {values}")

@@ -2,18 +2,19 @@
 prompt + completion re-tokenized, ending in EOS, left-truncated) and reward functions `module:function`
 called as TRL does, weighted and summed; weight 0: logged, not summed (an oracle to watch)."""
 
-import importlib
 import inspect
 import math
 import os
+import pkgutil
 import sys
+import threading
 
 import torch
 
 from common.data import encode_completion, encode_prompt
 from common.generation import CACHE, pad, real_positions, shared_prefix_cache
 from common.models import load_reward_model, load_tokenizer, prepare_frozen
-from common.runtime import UserError
+from common.runtime import UserError, exit_now
 
 EXTRAS = ("trainer_state", "log_metric", "log_extra")  # TRL's further arguments (common/reward_extras.py)
 
@@ -54,9 +55,8 @@ def import_function(spec: str, what: str = "reward function"):
     """The function named by `module:function`; modules are also found from the working directory."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `python algos/x.py` puts algos/, not the working directory, on the path
-    module, _, name = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
+        return pkgutil.resolve_name(spec)
     except (ImportError, AttributeError, ValueError) as e:
         raise UserError(f"could not import {what} '{spec}' (expected module:function): {e}") from None
 
@@ -99,18 +99,18 @@ def score_with_model(model, tokenizer, prompts, completions, batch_size: int = 6
     return torch.cat(out)
 
 
-def compute_rewards(sources, weights, *, prompts: list, completions: list, columns: dict,
+def compute_rewards(sources, weights, *, prompts: list, completions: list, columns: dict, timeout: float = 0,
                     completion_ids: list[list[int]] | None = None, scores=last_token_scores, call=None):
     """(weighted sum per completion [N], {name: [N], NaN where a source gave None or NaN}). Functions are
     called by keyword as TRL does, `f(prompts=, completions=, completion_ids=, **columns)` (the dataset's
-    other columns), or through `call(sources, kwargs) -> {name: list}` (TRL's extra arguments and async
-    functions: common/reward_extras.py); reward models through `scores` (score_with_model's). None / NaN: left out
-    of the sum; a completion no source scores sums to NaN, not 0 (the scripts give it no gradient rather than a
-    made-up reward). inf is an error."""
+    other columns), each given `timeout` seconds (called), or through `call(sources, kwargs) -> {name: list}`
+    (TRL's extra arguments and async functions: common/reward_extras.py); reward models through `scores`
+    (score_with_model's). None / NaN: left out of the sum; a completion no source scores sums to NaN, not 0 (the
+    scripts give it no gradient rather than a made-up reward). inf is an error."""
     per_source = {name: score_with_model(fn, tokenizer, prompts, completions, scores=scores)
                   for name, fn, tokenizer in sources if tokenizer is not None}  # sources: the models first
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    returned = call(sources, kwargs) if call else {n: called(n, fn, kwargs) for n, fn, tok in sources if tok is None}
+    returned = call(sources, kwargs) if call else {n: called(n, f, kwargs, timeout) for n, f, t in sources if t is None}
     per_source |= {name: _as_rewards(name, values, completions) for name, values in returned.items()}
     # a source of weight 0 is logged (rewards/<name>/mean) but not optimised: an oracle to watch
     counted = [(values, w) for values, w in zip(per_source.values(), weights) if w != 0]
@@ -119,12 +119,18 @@ def compute_rewards(sources, weights, *, prompts: list, completions: list, colum
     return weighted.nansum(dim=1).masked_fill(unscorable, math.nan), per_source
 
 
-def called(name: str, fn, kwargs: dict):
-    """fn(**kwargs); what a user's function raises, as one line that names it."""
+def called(name: str, fn, kwargs: dict, timeout: float = 0, args: tuple = (), what: str = "reward function"):
+    """fn(*args, **kwargs), a user's function (`what` `name`): what it raises, as one line that names it; not returned
+    within `timeout` seconds (0: no limit), the same line and the process ends (exit_now: a function that hangs
+    cannot be stopped, and a run that waits on it forever tells no one)."""
+    timer = threading.Timer(timeout or None, exit_now, [f"{what} '{name}' ran past --reward_timeout ({timeout:g} s)"])
+    timer.start()  # 0: waits for the cancel alone
     try:
-        return fn(**kwargs)
+        return fn(*args, **kwargs)
     except Exception as e:
-        raise UserError(f"reward function '{name}' raised {type(e).__name__}: {e}") from None
+        raise UserError(f"{what} '{name}' raised {type(e).__name__}: {e}") from None
+    finally:
+        timer.cancel()
 
 
 def _as_rewards(name: str, values, completions: list) -> torch.Tensor:
@@ -142,6 +148,5 @@ def _as_rewards(name: str, values, completions: list) -> torch.Tensor:
     if rewards.isinf().any():
         i = int(rewards.isinf().nonzero()[0])
         raise UserError(f"reward function '{name}' returned {values[i]} for completion {i} "
-                        f"({str(completions[i])[:40]!r}); rewards must be finite (return None to leave a "
-                        "completion unscored)")
+                        f"({str(completions[i])[:40]!r}); rewards must be finite (None: unscored)")
     return rewards

@@ -46,6 +46,15 @@ def exit_on_user_error():
         raise
 
 
+def exit_now(message: str):
+    """From any thread: the `error:` line exit_on_user_error writes for a UserError, then the process ends at once
+    (status 2). For a user's function that hangs (common/rewards.called), which cannot be stopped, only left; with
+    several processes the launcher then stops the others."""
+    with contextlib.suppress(SystemExit), exit_on_user_error():
+        raise UserError(message)
+    os._exit(2)
+
+
 def end_processes():
     """A finished run of several processes ends here: every rank waits for the others, flushes its output and
     leaves at once (os._exit(0)), without the interpreter's teardown, in which tearing down torch.distributed's
@@ -134,8 +143,7 @@ def setup(*, seed: int, gradient_accumulation_steps: int, per_device_train_batch
                           ds_file != "none" and json.load(open(ds_file)).get("gradient_accumulation_steps"))):
         if value not in (None, False, "auto") and int(value) != gradient_accumulation_steps:
             raise UserError(f"--gradient_accumulation_steps is {gradient_accumulation_steps} but {where} says "
-                            f"{value}; the script accumulates by its flag: remove the value from the config or make "
-                            "the two equal")
+                            f"{value}; the script accumulates by its flag: make the two equal")
     # DeepSpeed without CUDA (ZeRO on a CPU, as the tests do): accelerate leaves the backend unset, and
     # every process would believe it is alone
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true" and not torch.cuda.is_available()

@@ -56,6 +56,8 @@ ASYNC_STEP = "tests/test_async.py::test_k1_step_gradient_is_the_loss_written_out
 GRPO_STATS = "tests/test_grpo.py::test_loss_statistics_kl_and_clipped_shares_hand_worked"
 GKD = "tests/test_gkd.py::"
 TOOL_USE = "tests/test_tool_use.py::"
+HANG = "tests/test_common_rewards.py::test_a_reward_function_that_hangs_ends_the_process_with_one_line_naming_it"
+TIMEOUT_REACHES = "tests/test_common_rewards.py::test_every_script_gives_its_reward_functions_and_judge_reward_timeout"
 PACKED = "tests/test_packing.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
@@ -600,8 +602,8 @@ MUTATIONS = [
      "return [await c for c in calls]",
      "reward extras: async functions awaited one after the other",
      [EXTRAS + "test_async_functions_are_awaited_together_and_one_that_raises_is_one_line"]),
-    ("algos/grpo.py", "call=extras and extras.caller(step, episode))",
-     "call=extras and extras.caller(step + 1, episode))",
+    ("algos/grpo.py", "call=extras and extras.caller(step, episode),",
+     "call=extras and extras.caller(step + 1, episode),",
      "grpo: trainer_state.global_step one ahead",
      [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo]"]),
     ("algos/rloo.py", "metrics |= extras.flush() if extras else {}", "metrics |= {}",
@@ -621,7 +623,7 @@ MUTATIONS = [
     ("algos/grpo.py", "len(rows) // n_prompts * args.generation_batch_size)", "len(rows) * args.num_generations)",
      "grpo: trainer_state.epoch counts the prompts a pass leaves out (its last, incomplete batch)",
      [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo]"]),
-    ("common/reward_extras.py", "self.loop.run_until_complete(", "asyncio.run(",
+    ("common/reward_extras.py", "self.loop.run_until_complete, {}", "asyncio.run, {}",
      "reward extras: a new event loop for every batch (a client kept between calls is on a closed loop)",
      [EXTRAS + "test_async_functions_are_awaited_together_and_one_that_raises_is_one_line"]),
     ("common/reward_extras.py", 'table and not getattr(args, "dynamic_sampling", False)', "table",
@@ -668,6 +670,42 @@ MUTATIONS = [
     ("benchmarks/tool_use.py", '"learning_rates", {}) | args.learning_rates', '"learning_rates", {})',
      "tool_use benchmark: --learning_rates ignored where the task sets its own",
      [TOOL_USE + "test_stage_graph_gkd_learns_from_the_pick_of_the_better_rl_model_after_both_are_evaluated"]),
+    # 184-: --reward_timeout (a user's scoring function that hangs)
+    ("common/rewards.py", "    finally:\n        timer.cancel()\n", "",
+     "rewards: the watchdog of a function that returned in time left running (the run ends later)",
+     [HANG]),
+    ("common/rewards.py", "threading.Timer(timeout or None,", "threading.Timer(timeout,",
+     "rewards: --reward_timeout 0 a limit of 0 s, not none",
+     [HANG]),
+    ("common/rewards.py", "called(n, f, kwargs, timeout)", "called(n, f, kwargs)",
+     "rewards: reward functions called with no time limit",
+     [TIMEOUT_REACHES + "[grpo]"]),
+    ("common/runtime.py", "    with contextlib.suppress(SystemExit), exit_on_user_error():\n",
+     "    with exit_on_user_error():\n",
+     "runtime: exit_now's SystemExit ends the watchdog's thread, not the process (the run hangs on)",
+     [HANG]),
+    ("algos/grpo.py", ", timeout=args.reward_timeout)", ")",
+     "grpo: --reward_timeout not given to the reward functions",
+     [TIMEOUT_REACHES + "[grpo]"]),
+    ("algos/rloo.py", ", timeout=args.reward_timeout)", ")",
+     "rloo: --reward_timeout not given to the reward functions",
+     [TIMEOUT_REACHES + "[rloo]"]),
+    ("algos/ppo.py", "                                             timeout=args.reward_timeout,\n", "",
+     "ppo: --reward_timeout not given to the reward functions",
+     [TIMEOUT_REACHES + "[ppo]"]),
+    ("algos/online_dpo.py", "                    timeout=args.reward_timeout,\n", "",
+     "online_dpo: --reward_timeout not given to the reward functions",
+     [TIMEOUT_REACHES + "[online_dpo]"]),
+    ("algos/online_dpo.py", "import_judge(args.judge, args.reward_timeout)", "import_judge(args.judge)",
+     "online_dpo: the judge called with no time limit",
+     [TIMEOUT_REACHES + "[online_dpo_judge]"]),
+    ("common/reward_extras.py", "kwargs | asked, self.timeout)", "kwargs | asked)",
+     "reward extras: functions asking for TRL's extras called with no time limit",
+     [TIMEOUT_REACHES + "[grpo_extras]"]),
+    ("common/reward_extras.py", "self.loop.run_until_complete, {}, self.timeout,",
+     "self.loop.run_until_complete, {}, 0,",
+     "reward extras: async functions awaited with no time limit",
+     [TIMEOUT_REACHES + "[grpo_extras]"]),
 ]
 
 

@@ -365,5 +365,5 @@ def test_accumulation_given_twice_is_refused_before_the_accelerator_starts(tmp_p
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
     with pytest.raises(UserError,
                        match=f"^--gradient_accumulation_steps is 2 but the DeepSpeed config {tmp_path}/ds.json "
-                                        "says 4; the script accumulates by its flag: remove the value"):
+                                        "says 4; the script accumulates by its flag: make the two equal$"):
         setup(**flags)

@@ -2,15 +2,18 @@
 
 import importlib
 import math
+import subprocess
 import sys
+import time
 import types
 
 import pytest
 import torch
 import tyro
 
-from common.rewards import compute_rewards, load_reward_sources, score_with_model
+from common.rewards import compute_rewards, import_function, load_reward_sources, score_with_model
 from common.runtime import UserError
+from tests.conftest import ROOT
 
 
 @pytest.fixture()
@@ -132,3 +135,90 @@ def test_the_default_reward_model_only_when_nothing_else_scores(script):
     assert paths("--reward_model_paths", "a", "b") == ["a", "b"]
     if script == "online_dpo":
         assert paths("--judge", "m:j") == []
+
+
+HANGING = """
+import time
+from common.rewards import compute_rewards, import_function
+from common.runtime import exit_on_user_error
+rewards = lambda name, timeout: compute_rewards([(name, import_function(f"tests.toy_rewards:{name}"), None)], [1.0],
+                                                prompts=["p", "p"], completions=["a", "bcd"], columns={},
+                                                timeout=timeout)[0].tolist()
+with exit_on_user_error():
+    in_time = rewards("takes_half_a_second", 1.5)
+    time.sleep(1.5)  # past the 1.5 s: its watchdog must be gone
+    print("in time", in_time, "no limit", rewards("takes_half_a_second", 0), flush=True)
+    rewards("hangs", 1)
+    print("hung and came back")
+"""
+
+
+def test_a_reward_function_that_hangs_ends_the_process_with_one_line_naming_it():
+    """--reward_timeout: a function that returns in time is not touched later, 0 is no limit, and one that hangs
+    ends the process (status 2) with one line, about 1 s after it was called (TRL has no limit: the run waits)."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", HANGING], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout == "in time [1.0, 3.0] no limit [1.0, 3.0]\n"
+    assert proc.stderr.splitlines()[-1:] == ["error: reward function 'hangs' ran past --reward_timeout (1 s)"]
+    assert "Traceback" not in proc.stderr
+    assert time.time() - start < 60
+
+
+
+def test_with_a_time_limit_a_function_still_runs_in_the_main_thread_where_signal_alarm_works():
+    """The limit watches from a thread of its own: the function is called where TRL calls it, so one that times
+    itself with SIGALRM (math_verify) still can."""
+    sources = [("alarm", import_function("tests.toy_rewards:times_itself_with_an_alarm"), None)]
+    total, _ = compute_rewards(sources, [1.0], prompts=["p", "p"], completions=["a", "b"], columns={}, timeout=5)
+    assert total.tolist() == [0.5, 0.5]
+
+class Watchdog:
+    """common/rewards.py's threading.Timer, recorded (none fires): each made, with its seconds and message."""
+    made = []
+
+    def __init__(self, seconds, function, args):
+        self.seconds, self.message, self.started, self.cancelled = seconds, args[0], False, False
+        Watchdog.made.append(self)
+
+    def start(self):
+        self.started = True
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("script,flags,named", [
+    ("grpo", ["--reward_funcs", "tests.toy_rewards:lengths"], ["reward function 'lengths'"]),
+    ("rloo", ["--reward_funcs", "tests.toy_rewards:lengths"], ["reward function 'lengths'"]),
+    ("online_dpo", ["--reward_funcs", "tests.toy_rewards:lengths"], ["reward function 'lengths'"]),
+    ("online_dpo", ["--judge", "tests.toy_rewards:prefer_shorter"], ["judge 'tests.toy_rewards:prefer_shorter'"]),
+    ("ppo", ["--reward_funcs", "tests.toy_rewards:lengths", "--reward_weights", "0", "1"],
+     ["reward function 'lengths'"]),
+    ("grpo", ["--reward_funcs", "tests.toy_rewards:by_kwargs", "tests.toy_rewards:on_its_loop"],  # reward_extras.py
+     ["reward function 'by_kwargs'", "reward function 'on_its_loop'", "the async reward functions 'on_its_loop'"]),
+], ids=["grpo", "rloo", "online_dpo", "online_dpo_judge", "ppo", "grpo_extras"])
+def test_every_script_gives_its_reward_functions_and_judge_reward_timeout(tmp_path, monkeypatch, sft_model,
+                                                                          request, script, flags, named):
+    """--reward_timeout 7 reaches the watchdog of every call of a user's scoring function, in each script (a function
+    asking for no extra: common/rewards.py calls it) and in reward_extras.py (an async function: its call returns a
+    coroutine, then all are awaited within the limit), and each watchdog is cancelled when its function returns."""
+    import importlib
+
+    from tests.test_bad_input import PROMPT, write_jsonl
+
+    monkeypatch.setattr("common.rewards.threading", types.SimpleNamespace(Timer=Watchdog))
+    Watchdog.made.clear()
+    model = {"ppo": ["--reward_model_path", request.getfixturevalue("rm_model") if script == "ppo" else ""]}.get(
+        script, ["--reward_model_paths"])
+    sizes = {"grpo": ["--num_generations", "2", "--max_completion_length", "4"],
+             "rloo": ["--rloo_k", "2", "--max_completion_length", "4"], "online_dpo": ["--max_new_tokens", "4"],
+             "ppo": ["--response_length", "4"]}[script]
+    module = importlib.import_module(f"algos.{script}")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPT}] * 4)
+    module.main(tyro.cli(module.Args, args=[
+        "--model_name_or_path", sft_model, "--dataset_name", prompts,
+        *model, *flags, *sizes, "--reward_timeout", "7", "--max_steps", "1", "--per_device_train_batch_size", "4",
+        "--output_dir", str(tmp_path / "out")]))
+    assert sorted({w.message for w in Watchdog.made}) == sorted(f"{n} ran past --reward_timeout (7 s)" for n in named)
+    assert all(w.seconds == 7 and w.started and w.cancelled for w in Watchdog.made)

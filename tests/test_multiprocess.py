@@ -165,3 +165,22 @@ def test_a_failure_on_rank_1_alone_is_on_the_console(tmp_path, sft_model, hangs)
         assert "[rank 0] error: RuntimeError: " in console
         assert "this process waited longer than --ddp_timeout for the others: one failed (see its error)" in console
         assert time.time() - start < 20 + 150, time.time() - start
+
+
+@pytest.mark.multiproc
+def test_a_reward_function_that_hangs_on_rank_1_alone_ends_the_job_within_reward_timeout(tmp_path, sft_model):
+    """Rank 1's reward function never returns, rank 0 waits for it in the rewards' gather: after --reward_timeout
+    (3 s) rank 1 ends with its line, and rank 0, its peer gone, with its own, long before --ddp_timeout (600 s)."""
+    start = time.time()
+    proc = run_script("algos/grpo.py", "--max_steps", "1", "--model_name_or_path", sft_model,
+                      "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4",
+                      "--reward_model_paths", "--reward_funcs", "tests.toy_rewards:hangs_on_rank_1",
+                      "--reward_timeout", "3", "--ddp_timeout", "600", "--output_dir", str(tmp_path),
+                      launcher=TWO_PROCESSES, check=False, timeout=300,
+                      env={**os.environ, "ACCELERATE_USE_CPU": "true"})
+    lines = proc.stderr.splitlines()
+    assert proc.returncode != 0
+    assert "[rank 1] error: reward function 'hangs_on_rank_1' ran past --reward_timeout (3 s)" in lines
+    assert any(line.startswith("[rank 0] error: RuntimeError: ") and line.endswith(
+        "another process ended first: see its error") for line in lines), proc.stderr[-3000:]
+    assert time.time() - start < 150, time.time() - start

@@ -4,6 +4,8 @@ log_extra and `async def`, with functions written as TRL's docs write them (test
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import tyro
@@ -29,7 +31,8 @@ def extras_for(*names, **options):
     from common.reward_extras import RewardExtras
     from common.rewards import asks_for_extras
 
-    args = argparse.Namespace(reward_funcs=[f"tests.toy_rewards:{n}" for n in names], max_steps=50)
+    args = argparse.Namespace(reward_funcs=[f"tests.toy_rewards:{n}" for n in names], max_steps=50,
+                              reward_timeout=options.pop("reward_timeout", 0))
     return RewardExtras(Accelerator(), args, 8, **options) if asks_for_extras(args.reward_funcs) else None
 
 
@@ -83,6 +86,29 @@ def test_async_functions_are_awaited_together_and_one_that_raises_is_one_line():
     assert len(toy_rewards.LOOPS) == 2 and toy_rewards.LOOPS[0] is toy_rewards.LOOPS[1]
     with pytest.raises(UserError, match=r"^reward function 'async_broken' raised ValueError: the grader is down$"):
         score(extras_for("async_broken"), ["async_broken"], [1.0], 0, 0)
+
+
+ASYNC_HANGING = """
+import argparse
+from accelerate import Accelerator
+from common.reward_extras import RewardExtras
+from common.rewards import compute_rewards, import_function
+from common.runtime import exit_on_user_error
+extras = RewardExtras(Accelerator(), argparse.Namespace(max_steps=5, reward_timeout=1), 8)
+with exit_on_user_error():
+    compute_rewards([(n, import_function(f"tests.toy_rewards:{n}"), None) for n in ("on_its_loop", "async_hangs")],
+                    [1.0, 1.0], prompts=["p"], completions=["a"], columns={}, call=extras.caller(0, 0))
+    print("hung and came back")
+"""
+
+
+def test_async_functions_that_hang_end_the_process_with_one_line_naming_them():
+    """The async functions of a batch, awaited together, have --reward_timeout together: one that never returns
+    ends the process (status 2) with one line naming those awaited."""
+    proc = subprocess.run([sys.executable, "-c", ASYNC_HANGING], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1:] == ["error: the async reward functions 'on_its_loop, async_hangs' ran past "
+                                             "--reward_timeout (1 s)"] and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo", "grpo_dynamic"])

@@ -168,3 +168,59 @@ PROMPTS = []  # the prompts record_prompts was given, call by call
 def record_prompts(prompts, completions, **kwargs):
     PROMPTS.append(prompts)
     return [0.0] * len(completions)
+
+
+def hangs(prompts, completions, completion_ids):
+    """A reward function that never returns (a grader that does not answer), and asks for no extra of TRL's."""
+    time.sleep(3600)
+
+
+def takes_half_a_second(prompts, completions, completion_ids):
+    time.sleep(0.5)
+    return [float(len(c)) for c in completions]
+
+
+def judge_hangs(prompts, completion_pairs):
+    time.sleep(3600)
+
+
+async def async_hangs(prompts, completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(3600)
+
+
+def hangs_asking_for_extras(completions, trainer_state, **kwargs):
+    time.sleep(3600)
+
+
+def hangs_on_rank_1(prompts, completions, **columns):
+    """Hangs on the process of rank 1 only (a grader one machine cannot reach); 0 elsewhere."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.0] * len(completions)
+
+
+def times_itself_with_an_alarm(prompts, completions, completion_ids):
+    """Gives up on its work after 50 ms by SIGALRM, as math_verify times its parsing (TRL's accuracy_reward): works
+    in the main thread only (signal.signal raises ValueError in another)."""
+    import signal
+
+    def give_up(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    try:
+        while True:
+            time.sleep(0.01)
+    except TimeoutError:
+        return [0.5] * len(completions)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def lengths(prompts, completions, completion_ids):
+    """Each completion's length in tokens; asks for no extra of TRL's (common/rewards.py calls it)."""
+    return [float(len(ids)) for ids in completion_ids]
