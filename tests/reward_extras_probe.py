@@ -15,7 +15,7 @@ from common.runtime import end_processes  # noqa: E402
 
 if __name__ == "__main__":
     accelerator = Accelerator()
-    extras = RewardExtras(accelerator, argparse.Namespace(max_steps=10), epoch_size=4)
+    extras = RewardExtras(accelerator, argparse.Namespace(max_steps=10, reward_timeout=0), epoch_size=4)
     extras.caller(0, 0)
     if accelerator.process_index == 0:
         extras.log_metric("both", 1.0)
