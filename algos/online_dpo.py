@@ -151,7 +151,7 @@ def import_judge(spec: str, timeout: float = 0):
     judge = import_function(spec, "judge")
 
     def checked(prompts, completion_pairs):
-        picks = called(spec, judge, {}, timeout, (prompts, completion_pairs), "judge")
+        picks = called(spec, judge, {}, timeout, args=(prompts, completion_pairs), what="judge")
         if (not isinstance(picks, (list, tuple)) or len(picks) != len(completion_pairs)
                 or any(p not in (0, 1) for p in picks)):
             raise UserError(f"judge '{spec}' returned {str(picks)[:60]!r}; it must return 0 or 1 (the index of the "

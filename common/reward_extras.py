@@ -58,7 +58,8 @@ class RewardExtras:
             pending = [name for name, values in returned.items() if inspect.isawaitable(values)]
             if pending:  # awaited together, within the same time limit as one function
                 done = called(", ".join(pending), self.loop.run_until_complete, {}, self.timeout,
-                              (together(*(returned[name] for name in pending)),), "the async reward functions")
+                              args=(together(*(returned[name] for name in pending)),),
+                              what="the async reward functions")
                 for name, values in zip(pending, done):
                     if isinstance(values, BaseException):  # as common.rewards.called says it
                         raise UserError(f"reward function '{name}' raised {type(values).__name__}: {values}")
