@@ -20,7 +20,7 @@ from transformers.utils import get_json_schema
 
 from common.data import as_completions, encode_prompt, is_conversational, without_nulls
 from common.generation import Samples, pad
-from common.rewards import import_function
+from common.rewards import called, import_function
 from common.runtime import UserError
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)  # ChatML / Qwen / Hermes templates
@@ -41,7 +41,8 @@ class EpisodeArgs:
     max_tool_calling_iterations: int | None = None
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
     tool_timeout: float = 60.0
-    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread"""
+    """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread.
+    An environment's reset() gets as long, else the run ends with one line saying so"""
 
 
 @dataclass
@@ -289,9 +290,12 @@ def run_episodes(sample, tokenizer, rows: list[dict], tools: Tools | None, *, pr
     prompts = [without_nulls(row["prompt"]) for row in rows]  # new lists of new messages: reset's string goes in
     if tools.factories:
         tools.assign(rows)
-    for i, row in enumerate(rows):  # several environments: `environment` picks one, reset does not get it (TRL)
+    for i, (env, row) in enumerate(zip(tools.environments or [], rows)):
+        # several environments: the row's `environment` picks one, and reset(**row) does not get it (TRL); reset is
+        # held to --tool_timeout as the environment's tools are, but cannot answer an error: past it the run ends
         row = {k: v for k, v in row.items() if k != "environment"} if None not in tools.factories else row
-        if tools.environments and (extra := tools.environments[i].reset(**row)):
+        if extra := called(env.reset.__qualname__, env.reset, row, tools.timeout or 0, what="environment",
+                           flag="--tool_timeout"):
             prompts[i][-1]["content"] += extra  # TRL's rule: reset's string goes at the end of the last message
     context = [encode_prompt(tokenizer, p, tools.schemas_for(i))[-max_prompt_length:] for i, p in enumerate(prompts)]
     n = len(rows)

@@ -119,11 +119,11 @@ def compute_rewards(sources, weights, *, prompts: list, completions: list, colum
     return weighted.nansum(dim=1).masked_fill(unscorable, math.nan), per_source
 
 
-def called(name: str, fn, kwargs: dict, timeout: float = 0, args: tuple = (), what: str = "reward function"):
+def called(name: str, fn, kwargs: dict, timeout=0.0, args=(), what="reward function", flag="--reward_timeout"):
     """fn(*args, **kwargs), a user's function (`what` `name`): what it raises, as one line that names it; not returned
-    within `timeout` seconds (0: no limit), the same line and the process ends (exit_now: a function that hangs
-    cannot be stopped, and a run that waits on it forever tells no one)."""
-    timer = threading.Timer(timeout or None, exit_now, [f"{what} '{name}' ran past --reward_timeout ({timeout:g} s)"])
+    within `timeout` seconds (0: no limit; the `flag` that set it), the same line and the process ends (exit_now: a
+    function that hangs cannot be stopped, and a run that waits on it forever tells no one)."""
+    timer = threading.Timer(timeout or None, exit_now, [f"{what} '{name}' ran past {flag} ({timeout:g} s)"])
     timer.start()  # 0: waits for the cancel alone
     try:
         return fn(*args, **kwargs)

@@ -58,6 +58,9 @@ GKD = "tests/test_gkd.py::"
 TOOL_USE = "tests/test_tool_use.py::"
 HANG = "tests/test_common_rewards.py::test_a_reward_function_that_hangs_ends_the_process_with_one_line_naming_it"
 TIMEOUT_REACHES = "tests/test_common_rewards.py::test_every_script_gives_its_reward_functions_and_judge_reward_timeout"
+RESET = EPISODES + "test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it"
+REWARD_TIMEOUT_FLAG = ("tests/test_common_rewards.py::test_reward_timeout_0_is_no_limit_and_below_0_is_refused_before_"
+                       "anything_loads")
 PACKED = "tests/test_packing.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
@@ -706,6 +709,31 @@ MUTATIONS = [
      "self.loop.run_until_complete, {}, 0,",
      "reward extras: async functions awaited with no time limit",
      [TIMEOUT_REACHES + "[grpo_extras]"]),
+    # 195-: an environment's reset (user code) under --tool_timeout; a negative --reward_timeout refused
+    ("common/episodes.py", "env.reset, row, tools.timeout or 0,", "env.reset, row, 0,",
+     "episodes: an environment's reset called with no time limit (one that hangs hangs the run)",
+     [RESET]),
+    ("common/episodes.py", 'what="environment",\n                           flag="--tool_timeout")',
+     'what="environment")',
+     "episodes: a reset that hangs named as past --reward_timeout, not the --tool_timeout it ran past",
+     [RESET]),
+    ("common/episodes.py", "if extra := called(env.reset.__qualname__, env.reset, row, tools.timeout or 0, "
+     'what="environment",\n                           flag="--tool_timeout"):',
+     "if extra := env.reset(**row):",
+     "episodes: reset called bare (what it raises a traceback, no limit)",
+     [RESET]),
+    ("common/rewards.py", "ran past {flag} (", "ran past --reward_timeout (",
+     "rewards: the watchdog's line names --reward_timeout whatever set the limit",
+     [RESET]),
+    ("common/runtime.py", 'for name in (*POSITIVE, "reward_timeout"):', "for name in POSITIVE:",
+     "runtime: a negative --reward_timeout not refused (it fires at once)",
+     [REWARD_TIMEOUT_FLAG + "[rloo]"]),
+    ("common/runtime.py", "(value < 0 or value == 0 and name in POSITIVE)", "value <= 0",
+     "runtime: --reward_timeout 0 (no limit) refused",
+     [REWARD_TIMEOUT_FLAG + "[ppo]"]),
+    ("common/runtime.py", "{'>' if name in POSITIVE else '>='} 0", "{'>=' if name in POSITIVE else '>'} 0",
+     "runtime: the bound in the refusal's line swapped (>= 0 for the positive flags)",
+     [REWARD_TIMEOUT_FLAG + "[grpo]"]),
 ]
 
 

@@ -173,6 +173,18 @@ def test_with_a_time_limit_a_function_still_runs_in_the_main_thread_where_signal
     total, _ = compute_rewards(sources, [1.0], prompts=["p", "p"], completions=["a", "b"], columns={}, timeout=5)
     assert total.tolist() == [0.5, 0.5]
 
+@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo"])
+def test_reward_timeout_0_is_no_limit_and_below_0_is_refused_before_anything_loads(tmp_path, script):
+    from common.runtime import check_flags
+    from tests.conftest import script_args
+
+    args_class = importlib.import_module(f"algos.{script}").Args
+    for seconds in (0.0, 2.5):
+        check_flags(script_args(args_class, reward_timeout=seconds, output_dir=str(tmp_path / "out")))
+    with pytest.raises(UserError, match=r"^--reward_timeout must be >= 0 \(got -1.0\); 0 is no limit$"):
+        check_flags(script_args(args_class, reward_timeout=-1.0, output_dir=str(tmp_path / "out")))
+
+
 class Watchdog:
     """common/rewards.py's threading.Timer, recorded (none fires): each made, with its seconds and message."""
     made = []

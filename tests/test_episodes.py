@@ -343,6 +343,37 @@ def test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_
     assert huge == []  # nothing of the huge result was tokenised
 
 
+def test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it(chat_tokenizer, monkeypatch):
+    """reset(**row) is the user's code too: what it raises is one line naming it, and one that has not returned
+    within --tool_timeout ends the run with one line (common.rewards.called's watchdog; its exit_now is recorded
+    here, and lets the reset return). --tool_timeout 0: no limit, a slow reset is waited for."""
+    import time
+
+    from common import rewards
+    from tests import toy_tools
+    tok, ended = chat_tokenizer, []
+    monkeypatch.setattr(rewards, "exit_now", lambda line: (ended.append(line), toy_tools.RESET_RELEASE.set()))
+
+    def episodes_with(environment: str, timeout: float):
+        toy_tools.RESET_RELEASE.clear()
+        tools = load_tools(tok, [], [f"tests.toy_tools:{environment}"], num_episodes=2, rows=[ROW] * 2,
+                           timeout=timeout)
+        sample, _ = scripted(tok, [["72"], ["72"]])
+        return run_episodes(sample, tok, [ROW] * 2, tools, seeds=[0, 1], max_new_tokens=50, max_prompt_length=1000,
+                            max_calls=None, prompt_ids=None, accelerator=Processes())
+
+    with pytest.raises(UserError, match=r"^environment 'ResetRaises.reset' raised ValueError: no task for 72$"):
+        episodes_with("ResetRaises", 5.0)
+    start = time.time()
+    episodes_with("SlowReset", 0.3)
+    assert ended == ["environment 'SlowReset.reset' ran past --tool_timeout (0.3 s)"]
+    assert time.time() - start < 1.0  # the watchdog fired at 0.3 s; the second reset found the release set
+    start = time.time()
+    episodes = episodes_with("SlowReset", 0.0)
+    assert len(ended) == 1 and time.time() - start >= 2.0  # no limit: each reset took its second
+    assert episodes.prompts[1][-1]["content"].endswith("(a calculator is available)")
+
+
 def test_an_error_line_carries_the_rank_when_there_are_several_processes(monkeypatch, capsys):
     from common.runtime import exit_on_user_error
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,6 +1,8 @@
 """Tools and environments for the multi-turn tests (`--tools tests.toy_tools:multiply`,
 `--environment_factory tests.toy_tools:Calculator` or its function factory `make_calculator`; Capitals beside it)."""
 
+import threading
+
 
 def multiply(a: int, b: int) -> int:
     """Multiply two integers.
@@ -40,6 +42,24 @@ class Calculator:
 
     def get_reward(self) -> float:
         return float(self.used)
+
+
+class ResetRaises(Calculator):
+    """An environment whose reset() raises on every row (test_episodes: one line naming it, not a traceback)."""
+
+    def reset(self, **row) -> str:
+        raise ValueError(f"no task for {row['answer']}")
+
+
+RESET_RELEASE = threading.Event()  # set: SlowReset's reset returns at once (the tests' stand-in exit_now sets it)
+
+
+class SlowReset(Calculator):
+    """An environment whose reset() takes a second (--tool_timeout's watchdog fires first where it is shorter)."""
+
+    def reset(self, **row) -> str:
+        RESET_RELEASE.wait(1.0)
+        return super().reset(**row)
 
 
 def make_calculator() -> Calculator:
