@@ -19,6 +19,7 @@ import tyro
 from transformers.utils import get_json_schema
 
 from common.data import as_completions, encode_prompt, is_conversational, without_nulls
+from common.event_loop import resolved
 from common.generation import Samples, pad
 from common.rewards import called, import_function
 from common.runtime import UserError
@@ -79,8 +80,8 @@ class Tools:
     def reward_functions(self) -> list:
         """[(an environment class's name, a reward function calling get_reward() of each episode's environment of
         that class, None for the others)] for each class that has one."""
-        return [(cls.__name__, lambda environments, _cls=cls, **_: [e.get_reward() if type(e) is _cls else None
-                                                                     for e in environments])
+        return [(cls.__name__, lambda environments, _cls=cls, **_: [resolved(e.get_reward()) if type(e) is _cls
+                                                                     else None for e in environments])
                 for cls in self.schemas if cls is not None and callable(getattr(cls, "get_reward", None))]
 
     def for_episode(self, i: int) -> dict:
@@ -109,8 +110,6 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
     """--tools and --environment_factory checked against the chat template (it must render tools, in a format
     whose calls can be parsed, and tool results after a turn as an episode appends them: `tool_turn_text`) and the
     data (conversational prompts); else one error, before any model loads."""
-    if timeout is not None and not timeout >= 0:
-        raise UserError(f"--tool_timeout must be >= 0 seconds (got {timeout}; 0: no limit)")
     if dynamic_sampling or any(not is_conversational(row["prompt"]) for row in rows):
         raise UserError("--tools and --environment_factory need conversational prompts (lists of messages), and no "
                         "--dynamic_sampling (an environment's reset may change a prompt, which it could not rebuild)")
@@ -198,19 +197,19 @@ def call_tool(functions: dict, call: dict, timeout: float | None = None, max_cha
             raise ValueError(call["error"])
         if name not in functions:
             raise ValueError(f"Tool {name} not found.")
+        answer = {}
         if timeout is None:
-            result = functions[name](**call["arguments"])
+            _answer(functions[name], call["arguments"], answer)
         else:
-            answer = {}
             worker = threading.Thread(target=_answer, args=(functions[name], call["arguments"], answer), daemon=True,
                                       name=f"tool {name}")
             worker.start()
             worker.join(timeout)
             if worker.is_alive():
                 raise TimeoutError(f"tool {name} did not answer within {timeout:g} s (--tool_timeout)")
-            if "error" in answer:
-                raise answer["error"]
-            result = answer["result"]
+        if "error" in answer:
+            raise answer["error"]
+        result = answer["result"]
         text = result if isinstance(result, str) else str(result)
     except Exception as e:  # the model's arguments, or the tool itself
         text, failed = str({"error": str(e)}), True
@@ -218,8 +217,8 @@ def call_tool(functions: dict, call: dict, timeout: float | None = None, max_cha
 
 
 def _answer(fn, arguments: dict, answer: dict):
-    try:
-        answer["result"] = fn(**arguments)
+    try:  # an async tool (or environment method) awaited on the run's event loop, as TRL awaits it
+        answer["result"] = resolved(fn(**arguments))
     except Exception as e:
         answer["error"] = e
 

@@ -9,8 +9,8 @@ signature names them, or takes **kwargs, is given
                              mean over the processes
   log_extra(column, values)  a column of the samples table, one value per completion of this process's batch
 
-and `async def` functions are awaited together, on one event loop for the whole run (a client a function keeps
-between calls stays on the loop it was made on)."""
+and `async def` functions are awaited together, on the run's event loop (common/event_loop.py: a client a
+function keeps between calls stays on the loop it was made on)."""
 
 import asyncio
 import inspect
@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from accelerate.utils import gather_object
 
+from common.event_loop import awaited
 from common.rewards import called
 from common.runtime import UserError
 
@@ -38,7 +39,7 @@ class RewardExtras:
         the samples table (not where its rows are not the batch scored last: grpo's --dynamic_sampling reorders it)."""
         self.accelerator, self.max_steps, self.epoch_size = accelerator, args.max_steps, epoch_size
         self.timeout = args.reward_timeout  # for each function, and for the async ones awaited together
-        self.table, self.loop = table and not getattr(args, "dynamic_sampling", False), asyncio.new_event_loop()
+        self.table = table and not getattr(args, "dynamic_sampling", False)
         self.metrics, self.columns = defaultdict(list), {}  # log_metric's since the last flush; log_extra's
 
     def caller(self, step: int, taken: int):
@@ -57,7 +58,7 @@ class RewardExtras:
                     returned[name] = called(name, fn, kwargs | asked, self.timeout)
             pending = [name for name, values in returned.items() if inspect.isawaitable(values)]
             if pending:  # awaited together, within the same time limit as one function
-                done = called(", ".join(pending), self.loop.run_until_complete, {}, self.timeout,
+                done = called(", ".join(pending), awaited, {}, self.timeout,
                               args=(together(*(returned[name] for name in pending)),),
                               what="the async reward functions")
                 for name, values in zip(pending, done):

@@ -94,10 +94,10 @@ def check_flags(args):
     """Before anything loads: sizes and rates > 0, an output_dir free to use. args: the script's Args (its groups
     included)."""
     values = flags(args)
-    for name in (*POSITIVE, "reward_timeout"):  # --reward_timeout 0: no limit
+    for name in (*POSITIVE, "reward_timeout", "tool_timeout"):  # the timeouts: 0 is no limit
         if (value := values.get(name)) is not None and (value < 0 or value == 0 and name in POSITIVE):
             why = {"temperature": "; online RL samples its completions (the loss uses their probabilities), so it "
-                   "needs a temperature > 0, e.g. 0.7 or 1.0", "reward_timeout": "; 0 is no limit"}.get(name, "")
+                   "needs a temperature > 0, e.g. 0.7 or 1.0"}.get(name, "" if name in POSITIVE else "; 0 is no limit")
             raise UserError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0 (got {value}){why}")
     if values.get("dataset_name") == "" and not values.get("environment_factory"):  # TRL's environment-owned data
         raise UserError('--dataset_name "": no dataset, in grpo/rloo with an --environment_factory giving prompts')

@@ -59,8 +59,9 @@ TOOL_USE = "tests/test_tool_use.py::"
 HANG = "tests/test_common_rewards.py::test_a_reward_function_that_hangs_ends_the_process_with_one_line_naming_it"
 TIMEOUT_REACHES = "tests/test_common_rewards.py::test_every_script_gives_its_reward_functions_and_judge_reward_timeout"
 RESET = EPISODES + "test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it"
-REWARD_TIMEOUT_FLAG = ("tests/test_common_rewards.py::test_reward_timeout_0_is_no_limit_and_below_0_is_refused_before_"
-                       "anything_loads")
+ASYNC_TOOLS = EPISODES + "test_async_tools_environment_methods_and_get_reward_are_awaited_on_the_runs_one_loop"
+TIMEOUT_FLAGS = ("tests/test_common_rewards.py::test_the_timeouts_0_is_no_limit_and_below_0_is_refused_before_"
+                 "anything_loads")
 PACKED = "tests/test_packing.py::"
 GKD_BACKWARD = GKD + "test_backward_under_a_mask_and_weights_is_autograd_of_the_definition"
 GKD_DRAW = GKD + "test_on_and_off_policy_prompts_follow_the_global_draw"
@@ -568,7 +569,7 @@ MUTATIONS = [
      "(sum(list(self.schemas.values())[1:], []) if self.environments else [])",
      "episodes: every environment's tools rendered in every episode's prompt",
      SEVERAL),
-    ("common/episodes.py", "[e.get_reward() if type(e) is _cls else None", "[e.get_reward() if True else None",
+    ("common/episodes.py", "[resolved(e.get_reward()) if type(e) is _cls", "[resolved(e.get_reward()) if True",
      "episodes: an environment class's reward read from the other environments' episodes too",
      SEVERAL),
     ("common/episodes.py", 'if k != "environment"} if None not in tools.factories else row',
@@ -626,7 +627,7 @@ MUTATIONS = [
     ("algos/grpo.py", "len(rows) // n_prompts * args.generation_batch_size)", "len(rows) * args.num_generations)",
      "grpo: trainer_state.epoch counts the prompts a pass leaves out (its last, incomplete batch)",
      [EXTRAS + "test_the_script_passes_the_extras_logs_the_metric_and_shows_the_column[grpo]"]),
-    ("common/reward_extras.py", "self.loop.run_until_complete, {}", "asyncio.run, {}",
+    ("common/reward_extras.py", "awaited, {}, self.timeout,", "asyncio.run, {}, self.timeout,",
      "reward extras: a new event loop for every batch (a client kept between calls is on a closed loop)",
      [EXTRAS + "test_async_functions_are_awaited_together_and_one_that_raises_is_one_line"]),
     ("common/reward_extras.py", 'table and not getattr(args, "dynamic_sampling", False)', "table",
@@ -705,8 +706,7 @@ MUTATIONS = [
     ("common/reward_extras.py", "kwargs | asked, self.timeout)", "kwargs | asked)",
      "reward extras: functions asking for TRL's extras called with no time limit",
      [TIMEOUT_REACHES + "[grpo_extras]"]),
-    ("common/reward_extras.py", "self.loop.run_until_complete, {}, self.timeout,",
-     "self.loop.run_until_complete, {}, 0,",
+    ("common/reward_extras.py", "awaited, {}, self.timeout,", "awaited, {}, 0,",
      "reward extras: async functions awaited with no time limit",
      [TIMEOUT_REACHES + "[grpo_extras]"]),
     # 195-: an environment's reset (user code) under --tool_timeout; a negative --reward_timeout refused
@@ -725,15 +725,31 @@ MUTATIONS = [
     ("common/rewards.py", "ran past {flag} (", "ran past --reward_timeout (",
      "rewards: the watchdog's line names --reward_timeout whatever set the limit",
      [RESET]),
-    ("common/runtime.py", 'for name in (*POSITIVE, "reward_timeout"):', "for name in POSITIVE:",
+    ("common/runtime.py", '(*POSITIVE, "reward_timeout", "tool_timeout")', '(*POSITIVE, "tool_timeout")',
      "runtime: a negative --reward_timeout not refused (it fires at once)",
-     [REWARD_TIMEOUT_FLAG + "[rloo]"]),
+     [TIMEOUT_FLAGS + "[rloo]"]),
+    ("common/runtime.py", '(*POSITIVE, "reward_timeout", "tool_timeout")', '(*POSITIVE, "reward_timeout")',
+     "runtime: a negative --tool_timeout not refused (every tool call times out at once)",
+     [TIMEOUT_FLAGS + "[gkd]"]),
     ("common/runtime.py", "(value < 0 or value == 0 and name in POSITIVE)", "value <= 0",
      "runtime: --reward_timeout 0 (no limit) refused",
-     [REWARD_TIMEOUT_FLAG + "[ppo]"]),
+     [TIMEOUT_FLAGS + "[ppo]"]),
     ("common/runtime.py", "{'>' if name in POSITIVE else '>='} 0", "{'>=' if name in POSITIVE else '>'} 0",
      "runtime: the bound in the refusal's line swapped (>= 0 for the positive flags)",
-     [REWARD_TIMEOUT_FLAG + "[grpo]"]),
+     [TIMEOUT_FLAGS + "[grpo]"]),
+    # 203-: async tools, environment methods and get_reward awaited on the run's one event loop (TRL's contract)
+    ("common/episodes.py", 'answer["result"] = resolved(fn(**arguments))', 'answer["result"] = fn(**arguments)',
+     "episodes: an async tool's coroutine answered as its str, never awaited",
+     [ASYNC_TOOLS]),
+    ("common/episodes.py", "[resolved(e.get_reward()) if type(e) is _cls", "[e.get_reward() if type(e) is _cls",
+     "episodes: an environment's async get_reward not awaited (its coroutine as the reward)",
+     [ASYNC_TOOLS]),
+    ("common/event_loop.py", "        if _loop is None:\n", "        if True:\n",
+     "event loop: a new loop for every await (a client kept between calls is on another loop)",
+     [ASYNC_TOOLS]),
+    ("common/event_loop.py", "if inspect.iscoroutine(value)", "if inspect.iscoroutinefunction(value)",
+     "event loop: coroutines returned as they are, never awaited",
+     [ASYNC_TOOLS]),
 ]
 
 

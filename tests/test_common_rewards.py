@@ -173,16 +173,21 @@ def test_with_a_time_limit_a_function_still_runs_in_the_main_thread_where_signal
     total, _ = compute_rewards(sources, [1.0], prompts=["p", "p"], completions=["a", "b"], columns={}, timeout=5)
     assert total.tolist() == [0.5, 0.5]
 
-@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo"])
-def test_reward_timeout_0_is_no_limit_and_below_0_is_refused_before_anything_loads(tmp_path, script):
-    from common.runtime import check_flags
+@pytest.mark.parametrize("script", ["grpo", "rloo", "online_dpo", "ppo", "gkd"])
+def test_the_timeouts_0_is_no_limit_and_below_0_is_refused_before_anything_loads(tmp_path, script):
+    """--reward_timeout (the scripts with reward functions) and --tool_timeout (those with episodes)."""
+    from common.runtime import check_flags, flags
     from tests.conftest import script_args
 
-    args_class = importlib.import_module(f"algos.{script}").Args
-    for seconds in (0.0, 2.5):
-        check_flags(script_args(args_class, reward_timeout=seconds, output_dir=str(tmp_path / "out")))
-    with pytest.raises(UserError, match=r"^--reward_timeout must be >= 0 \(got -1.0\); 0 is no limit$"):
-        check_flags(script_args(args_class, reward_timeout=-1.0, output_dir=str(tmp_path / "out")))
+    args_class, out = importlib.import_module(f"algos.{script}").Args, str(tmp_path / "out")
+    names = [n for n in ("reward_timeout", "tool_timeout") if n in flags(script_args(args_class, output_dir=out))]
+    assert names == {"online_dpo": ["reward_timeout"], "ppo": ["reward_timeout"], "gkd": ["tool_timeout"]}.get(
+        script, ["reward_timeout", "tool_timeout"])
+    for name in names:
+        for seconds in (0.0, 2.5):
+            check_flags(script_args(args_class, output_dir=out, **{name: seconds}))
+        with pytest.raises(UserError, match=rf"^--{name} must be >= 0 \(got -1.0\); 0 is no limit$"):
+            check_flags(script_args(args_class, output_dir=out, **{name: -1.0}))
 
 
 class Watchdog:

@@ -320,8 +320,6 @@ def test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_
     def multiply(a: int, b: int):
         return "9" * 10**7  # ~10 MB of text
 
-    with pytest.raises(UserError, match=r"^--tool_timeout must be >= 0 seconds \(got -1.0; 0: no limit\)$"):
-        load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=2, timeout=-1.0)
     tools = load_tools(tok, ["tests.toy_tools:multiply"], None, num_episodes=2, timeout=0.5)
     tools.functions = [multiply, hang]
     hang_call = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
@@ -341,6 +339,33 @@ def test_a_tool_that_hangs_answers_an_error_after_the_timeout_and_a_huge_result_
     assert episodes.failures.tolist() == [1, 0] and episodes.calls.tolist() == [1, 1]
     assert episodes.samples.finished.tolist() == [True, False] and episodes.turns.tolist() == [2, 1]
     assert huge == []  # nothing of the huge result was tokenised
+
+
+def test_async_tools_environment_methods_and_get_reward_are_awaited_on_the_runs_one_loop(chat_tokenizer):
+    """TRL awaits async tools, an environment's async methods and its async get_reward; here too, each on the run's
+    event loop (common/event_loop.py: one loop, so a client one of them keeps stays on the loop it was made on),
+    called in place (--tool_timeout 0) or in a thread of its own; one that does not answer in time is answered
+    as failed."""
+    from tests import toy_tools
+    tok, toy_tools.LOOPS[:] = chat_tokenizer, []
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    turns = {0.0: [[call.format("add_later", '{"a": 2, "b": 3}'), "5"], [call.format("deposit", '{"amount": 7}'), "7"]],
+             0.3: [[call.format("never_answers", "{}"), "?"], [call.format("deposit", '{"amount": 4}'), "4"]]}
+    for timeout, replies in turns.items():
+        tools = load_tools(tok, ["tests.toy_tools:add_later", "tests.toy_tools:never_answers"],
+                           ["tests.toy_tools:AsyncLedger"], num_episodes=2, rows=[ROW] * 2, timeout=timeout)
+        sample, _ = scripted(tok, replies)
+        episodes = run_episodes(sample, tok, [ROW] * 2, tools, seeds=[0, 1], max_new_tokens=200,
+                                max_prompt_length=1000, max_calls=None, prompt_ids=None, accelerator=Processes())
+        answers = [[m["content"] for m in c if m["role"] == "tool"] for c in episodes.completions]
+        rewards = dict(tools.reward_functions())["AsyncLedger"](environments=tools.environments)
+        if timeout == 0.0:
+            assert answers == [["5"], ["7"]] and episodes.failures.tolist() == [0, 0] and rewards == [0.0, 7.0]
+        else:
+            assert answers == [["{'error': 'tool never_answers did not answer within 0.3 s (--tool_timeout)'}"],
+                               ["4"]]
+            assert episodes.failures.tolist() == [1, 0] and rewards == [0.0, 4.0]
+    assert len(toy_tools.LOOPS) == 7 and len(set(map(id, toy_tools.LOOPS))) == 1  # calls 2 + 1, get_reward 2 + 2
 
 
 def test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it(chat_tokenizer, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["runtime", "data", "models", "generation", "rewards", "tracking", "checkpoint"]
 # each entered only on its flags (README)
-FEATURES = ["vllm", "sampler_correction", "episodes", "rollouts", "resume", "packing", "reward_extras"]
+FEATURES = ["vllm", "sampler_correction", "episodes", "rollouts", "resume", "packing", "reward_extras", "event_loop"]
 SCRIPTS = ["sft", "reward", "dpo", "kto", "online_dpo", "rloo", "grpo", "ppo", "gkd"]
 
 

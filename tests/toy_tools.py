@@ -1,7 +1,10 @@
 """Tools and environments for the multi-turn tests (`--tools tests.toy_tools:multiply`,
 `--environment_factory tests.toy_tools:Calculator` or its function factory `make_calculator`; Capitals beside it)."""
 
+import asyncio
 import threading
+
+LOOPS = []  # the running event loop of each await below, in order (one for the run: common/event_loop.py)
 
 
 def multiply(a: int, b: int) -> int:
@@ -60,6 +63,45 @@ class SlowReset(Calculator):
     def reset(self, **row) -> str:
         RESET_RELEASE.wait(1.0)
         return super().reset(**row)
+
+
+async def add_later(a: int, b: int) -> int:
+    """Add two integers, after a moment's wait (an async tool, which TRL awaits).
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    await asyncio.sleep(0.01)
+    LOOPS.append(asyncio.get_running_loop())
+    return a + b
+
+
+async def never_answers() -> str:
+    """An async tool that never answers."""
+    await asyncio.Event().wait()
+
+
+class AsyncLedger:
+    """An environment whose tool and get_reward are async (TRL awaits both); its reward is the balance."""
+
+    def reset(self, **row) -> None:
+        self.balance = 0
+
+    async def deposit(self, amount: int) -> int:
+        """Deposit an amount; returns the balance.
+
+        Args:
+            amount: how much
+        """
+        await asyncio.sleep(0)
+        LOOPS.append(asyncio.get_running_loop())
+        self.balance += amount
+        return self.balance
+
+    async def get_reward(self) -> float:
+        LOOPS.append(asyncio.get_running_loop())
+        return float(self.balance)
 
 
 def make_calculator() -> Calculator:
