@@ -393,6 +393,6 @@ def test_a_failed_run_at_k_1_ends_without_waiting_for_the_sampler_thread():
     --tool_timeout); the trainer then fails. The process must end with the trainer's error at once (before: the
     interpreter waited for concurrent.futures' worker, for ever)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sampler_exit_probe.py")], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+                          text=True, timeout=30, cwd=ROOT)  # ~4 s; a hung mutant: 30
     assert proc.returncode == 1 and "batch 0\n" in proc.stdout and "drawing ahead\n" in proc.stdout, proc.stdout
     assert proc.stderr.strip().endswith("RuntimeError: the trainer failed")

@@ -105,7 +105,7 @@ with exit_on_user_error():
 def test_async_functions_that_hang_end_the_process_with_one_line_naming_them():
     """The async functions of a batch, awaited together, have --reward_timeout together: one that never returns
     ends the process (status 2) with one line naming those awaited."""
-    proc = subprocess.run([sys.executable, "-c", ASYNC_HANGING], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", ASYNC_HANGING], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1:] == ["error: the async reward functions 'on_its_loop, async_hangs' ran past "
                                              "--reward_timeout (1 s)"] and "Traceback" not in proc.stderr
