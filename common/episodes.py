@@ -70,7 +70,7 @@ class Tools:
                                 f"(it defines {', '.join(map(str, self.factories))})")
             pool, taken[name] = self.pools.setdefault(name, []), taken.get(name, -1) + 1
             if taken[name] == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(made(self.factories[name], self.timeout))
             self.environments.append(pool[taken[name]])
 
     def schemas_for(self, i: int) -> list:
@@ -89,6 +89,13 @@ class Tools:
         env = self.environments[i] if self.environments else None
         return {f.__name__: f for f in self.functions} | ({name: getattr(env, name) for name in
                                                            environment_methods(type(env))} if env else {})
+
+
+def made(factory, timeout: float | None):
+    """An environment from the user's factory: what it raises is one line naming it, and a factory that has not
+    returned within --tool_timeout seconds ends the run with one (common.rewards.called)."""
+    return called(getattr(factory, "__qualname__", str(factory)), factory, {}, timeout or 0,
+                  what="environment factory", flag="--tool_timeout")
 
 
 def environment_methods(cls) -> list[str]:
@@ -120,7 +127,7 @@ def load_tools(tokenizer, function_specs: list[str], environment_factory: str | 
         raise UserError("several --environment_factory need a name each, `name=module:Class` (each row's "
                         f"`environment` field picks one); got {' '.join(specs)}")
     factories = {name: import_function(path, "environment factory") for name, path in named}  # TRL: any callable
-    pools = {name: [factory() for _ in range(num_episodes if name is None else 1)] for name, factory in
+    pools = {name: [made(factory, timeout) for _ in range(num_episodes if name is None else 1)] for name, factory in
              factories.items()}  # one environment: an instance per episode slot; several: one each, more as needed
     for (_, path), pool in zip(named, pools.values()):
         if not callable(getattr(type(pool[0]), "reset", None)):
@@ -193,10 +200,8 @@ def call_tool(functions: dict, call: dict, timeout: float | None = None, max_cha
     tokenises it (a longer one cannot fit: run_episodes)."""
     name, failed = call.get("name", "unknown"), False
     try:
-        if "error" in call:
-            raise ValueError(call["error"])
-        if name not in functions:
-            raise ValueError(f"Tool {name} not found.")
+        if "error" in call or name not in functions:  # a call that did not parse, or an unknown tool
+            raise ValueError(call.get("error") or f"Tool {name} not found.")
         answer = {}
         if timeout is None:
             _answer(functions[name], call["arguments"], answer)

@@ -58,7 +58,7 @@ GKD = "tests/test_gkd.py::"
 TOOL_USE = "tests/test_tool_use.py::"
 HANG = "tests/test_common_rewards.py::test_a_reward_function_that_hangs_ends_the_process_with_one_line_naming_it"
 TIMEOUT_REACHES = "tests/test_common_rewards.py::test_every_script_gives_its_reward_functions_and_judge_reward_timeout"
-RESET = EPISODES + "test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it"
+RESET = EPISODES + "test_an_environment_factory_or_reset_that_raises_or_hangs_ends_in_one_line_naming_it"
 ASYNC_TOOLS = EPISODES + "test_async_tools_environment_methods_and_get_reward_are_awaited_on_the_runs_one_loop"
 TIMEOUT_FLAGS = ("tests/test_common_rewards.py::test_the_timeouts_0_is_no_limit_and_below_0_is_refused_before_"
                  "anything_loads")
@@ -750,6 +750,22 @@ MUTATIONS = [
     ("common/event_loop.py", "if inspect.iscoroutine(value)", "if inspect.iscoroutinefunction(value)",
      "event loop: coroutines returned as they are, never awaited",
      [ASYNC_TOOLS]),
+    # 207-: an environment's factory under --tool_timeout; calls that did not parse or name no tool
+    ("common/episodes.py", "pool.append(made(self.factories[name], self.timeout))",
+     "pool.append(self.factories[name]())",
+     "episodes: an environment made for a batch by a bare factory call (a traceback, no limit)",
+     [RESET]),
+    ("common/episodes.py", "[made(factory, timeout) for _ in range", "[factory() for _ in range",
+     "episodes: the environments made at start-up by bare factory calls (a traceback, no limit)",
+     [RESET]),
+    ("common/episodes.py", "return called(getattr(factory, \"__qualname__\", str(factory)), factory, {}, timeout or 0,",
+     "return called(getattr(factory, \"__qualname__\", str(factory)), factory, {}, 0,",
+     "episodes: environment factories called with no time limit",
+     [RESET]),
+    ("common/episodes.py", 'raise ValueError(call.get("error") or f"Tool {name} not found.")',
+     'raise ValueError(f"Tool {name} not found.")',
+     "episodes: a call that did not parse answered as an unknown tool (the parse error lost)",
+     [EPISODES + "test_failed_calls_are_answered_and_counted_and_episodes_end_as_they_should"]),
 ]
 
 

@@ -368,10 +368,11 @@ def test_async_tools_environment_methods_and_get_reward_are_awaited_on_the_runs_
     assert len(toy_tools.LOOPS) == 7 and len(set(map(id, toy_tools.LOOPS))) == 1  # calls 2 + 1, get_reward 2 + 2
 
 
-def test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it(chat_tokenizer, monkeypatch):
-    """reset(**row) is the user's code too: what it raises is one line naming it, and one that has not returned
-    within --tool_timeout ends the run with one line (common.rewards.called's watchdog; its exit_now is recorded
-    here, and lets the reset return). --tool_timeout 0: no limit, a slow reset is waited for."""
+def test_an_environment_factory_or_reset_that_raises_or_hangs_ends_in_one_line_naming_it(chat_tokenizer, monkeypatch):
+    """An environment's factory and reset(**row) are the user's code too: what they raise is one line naming
+    them, and one that has not returned within --tool_timeout ends the run with one line (common.rewards.called's
+    watchdog; its exit_now is recorded here, and lets the call return). --tool_timeout 0: no limit, a slow reset is
+    waited for."""
     import time
 
     from common import rewards
@@ -397,6 +398,16 @@ def test_an_environment_whose_reset_raises_or_hangs_ends_in_one_line_naming_it(c
     episodes = episodes_with("SlowReset", 0.0)
     assert len(ended) == 1 and time.time() - start >= 2.0  # no limit: each reset took its second
     assert episodes.prompts[1][-1]["content"].endswith("(a calculator is available)")
+    factory = "^environment factory 'broken_factory' raised RuntimeError: no calculator today$"
+    with pytest.raises(UserError, match=factory):  # at start-up
+        load_tools(tok, [], ["tests.toy_tools:broken_factory"], num_episodes=2, rows=[ROW] * 2, timeout=5.0)
+    tools = load_tools(tok, [], ENVIRONMENTS, num_episodes=2, rows=[{**ROW, "environment": "calc"}], timeout=5.0)
+    tools.factories["calc"] = toy_tools.broken_factory
+    with pytest.raises(UserError, match=factory):  # a batch needing one more of an environment than made so far
+        tools.assign([{**ROW, "environment": "calc"}] * 2)
+    toy_tools.RESET_RELEASE.clear()
+    load_tools(tok, [], ["tests.toy_tools:slow_factory"], num_episodes=1, rows=[ROW], timeout=0.3)
+    assert ended[1:] == ["environment factory 'slow_factory' ran past --tool_timeout (0.3 s)"]
 
 
 def test_an_error_line_carries_the_rank_when_there_are_several_processes(monkeypatch, capsys):

@@ -104,6 +104,17 @@ class AsyncLedger:
         return float(self.balance)
 
 
+def broken_factory() -> Calculator:
+    """An environment factory that raises (test_episodes: one line naming it)."""
+    raise RuntimeError("no calculator today")
+
+
+def slow_factory() -> Calculator:
+    """An environment factory that takes a second (--tool_timeout's watchdog fires first where it is shorter)."""
+    RESET_RELEASE.wait(1.0)
+    return Calculator()
+
+
 def make_calculator() -> Calculator:
     """An environment factory that is a function, not a class (TRL takes any callable)."""
     return Calculator()
