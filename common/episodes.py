@@ -43,7 +43,7 @@ class EpisodeArgs:
     """turns with tool calls per episode (None: until a turn without one or max_completion_length tokens)"""
     tool_timeout: float = 60.0
     """seconds a tool call may take, else it answers an error (counted as failed); 0: no limit, in the calling thread.
-    An environment's reset() gets as long, else the run ends with one line saying so"""
+    An environment's factory and reset() get as long, else the run ends with one line saying so"""
 
 
 @dataclass
