@@ -393,7 +393,7 @@ def test_an_environment_factory_or_reset_that_raises_or_hangs_ends_in_one_line_n
     start = time.time()
     episodes_with("SlowReset", 0.3)
     assert ended == ["environment 'SlowReset.reset' ran past --tool_timeout (0.3 s)"]
-    assert time.time() - start < 1.0  # the watchdog fired at 0.3 s; the second reset found the release set
+    assert time.time() - start < 1.5  # the watchdog fired at 0.3 s, the second reset found the release set (else 2 s)
     start = time.time()
     episodes = episodes_with("SlowReset", 0.0)
     assert len(ended) == 1 and time.time() - start >= 2.0  # no limit: each reset took its second
